@@ -1,0 +1,138 @@
+"""`kd_ckpt.save` and `kd_ckpt.restore` for plain Orbax users.
+
+Example (a MaxText-style loop):
+
+  report = kd_ckpt.save(f'/ckpt/{step}', state, host_ram_budget='4GiB')
+  print(report)
+  abstract = jax.eval_shape(lambda: state)   # keeps the shardings
+  state = kd_ckpt.restore(f'/ckpt/{step}', abstract, host_ram_budget='4GiB')
+
+The checkpoint is a stock Orbax PyTree checkpoint:
+`ocp.StandardCheckpointer().restore(path, abstract)` reads it without
+kd_ckpt installed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from absl import logging
+from etils import epath
+import jax
+import orbax.checkpoint as ocp
+
+from kd_ckpt import budget as budget_lib
+from kd_ckpt import hostmem
+from kd_ckpt import plan as plan_lib
+from kd_ckpt import report as report_lib
+from kd_ckpt import restoring
+from kd_ckpt import writer
+
+
+def save(
+    directory: str | os.PathLike[str],
+    tree: Any,
+    *,
+    host_ram_budget: budget_lib.BudgetLike = 'auto',
+    strategy: str = 'auto',
+) -> report_lib.SaveReport:
+  """Saves `tree` to `directory` within a host-RAM budget; blocks until durable.
+
+  Args:
+    directory: where to write; must not exist (an earlier checkpoint is never
+      overwritten).  Orbax writes to a temporary name and renames at the end.
+    tree: a pytree of jax.Arrays (any sharding), numpy arrays and scalars.
+    host_ram_budget: extra host RAM the save may add; see `kd_ckpt.budget`.
+    strategy: 'auto', 'orbax' or 'streaming'.
+
+  Returns:
+    A SaveReport with the measured peak extra RSS.
+
+  Raises:
+    FileExistsError: `directory` exists.
+    ValueError: bad budget or strategy, or deleted/donated arrays in `tree`.
+    BudgetTooSmallError: no strategy fits the budget.
+  """
+  path = epath.Path(directory)
+  # Every check happens before anything is written.
+  if path.exists():
+    raise FileExistsError(
+        f'Checkpoint directory {os.fspath(directory)!r} already exists.'
+        ' kd_ckpt never overwrites a checkpoint: pass a new directory (e.g.'
+        ' one per step) or delete the old one first.'
+    )
+  plan = plan_lib.plan_save(tree, host_ram_budget=host_ram_budget, strategy=strategy)
+  logging.info('kd_ckpt save %s: %s', os.fspath(directory), plan.summary())
+  path.parent.mkdir(parents=True, exist_ok=True)
+
+  handler = writer.SafePyTreeHandler()
+  handler.use_plan(plan)
+  checkpointer = ocp.Checkpointer(handler)
+  with hostmem.PeakRss() as peak:
+    start = time.monotonic()
+    with jax.transfer_guard('allow'):
+      checkpointer.save(path, args=writer.SafeSave(tree))
+    checkpointer.close()
+    seconds = time.monotonic() - start
+    writer.after_save(tree)
+  report = report_lib.SaveReport(
+      directory=os.fspath(directory),
+      strategy=plan.strategy,
+      settings=_settings_text(plan),
+      budget_bytes=plan.budget_bytes,
+      predicted_peak_bytes=plan.predicted_peak_bytes,
+      peak_extra_bytes=peak.extra_bytes,
+      retained_bytes=peak.retained_bytes,
+      bytes_written=plan.total_bytes,
+      seconds=seconds,
+      exact_peak=peak.exact,
+  )
+  if jax.process_index() == 0:
+    report.write_json(path / report_lib.REPORT_FILE_NAME)
+  logging.info('kd_ckpt saved %s: %s', os.fspath(directory), report.summary())
+  return report
+
+
+def _settings_text(plan: plan_lib.SavePlan) -> str:
+  if plan.orbax is not None:
+    return plan.orbax.short()
+  return (
+      f'slices of {hostmem.format_bytes(plan.slice_bytes or 0)},'
+      f' {plan.slices_in_flight} in flight'
+  )
+
+
+def restore(
+    directory: str | os.PathLike[str],
+    target: Any = None,
+    *,
+    host_ram_budget: budget_lib.BudgetLike = 'auto',
+) -> Any:
+  """Restores a checkpoint, reading leaf by leaf within a host-RAM budget.
+
+  Args:
+    directory: a checkpoint written by `kd_ckpt.save`, stock Orbax
+      (`StandardCheckpointer`/`PyTreeCheckpointer`) or a Kauldron step's item
+      folder (`ckpt_N/default`).
+    target: a pytree of `jax.Array`s or `jax.ShapeDtypeStruct`s with
+      shardings: the arrays are placed in those shardings, which may differ
+      from the ones saved.  None restores with the saved shardings.
+    host_ram_budget: extra host RAM the restore may add on top of the restored
+      arrays themselves.
+
+  Returns:
+    The restored pytree.
+  """
+  path = epath.Path(directory)
+  if not path.exists():
+    raise FileNotFoundError(
+        f'No checkpoint at {os.fspath(directory)!r}. Check the path (for a'
+        ' Kauldron step, point at its item folder, e.g. ckpt_100/default).'
+    )
+  spec = budget_lib.parse(host_ram_budget)
+  budget_bytes = budget_lib.resolve(spec, hostmem.probe())
+  out = restoring.restore_tree(path, target, budget_bytes=budget_bytes)
+  hostmem.release_free_memory()
+  return out

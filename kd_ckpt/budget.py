@@ -1,0 +1,124 @@
+"""The host-RAM budget: what users write, and the bytes it means.
+
+`host_ram_budget` is the extra host RAM one save may add on top of what the
+process holds just before it.  Users write it as:
+
+  "auto"            AUTO_FRACTION of the memory available to this process
+  1 << 30           an int of bytes
+  "512MiB", "8GB"   a string with a unit (binary or decimal)
+  0.25              a float in (0, 1]: a fraction of available memory
+
+Example:
+
+  spec = budget.parse("512MiB")          # validates, nothing probed
+  nbytes = budget.resolve(spec, hostmem.probe())
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from absl import logging
+
+from kd_ckpt import hostmem
+
+# Half of what is available: the training job keeps running beside an async
+# save (data pipeline, evals, the next step's host buffers) and the page cache
+# needs room for the files being written.  torchsnapshot uses 0.6 for the
+# same reason; we are a little more careful because JAX hosts often run the
+# input pipeline in the same process.
+AUTO_FRACTION = 0.5
+
+_UNITS = {
+    '': 1,
+    'b': 1,
+    'k': 1000, 'kb': 1000, 'kib': 1 << 10,
+    'm': 1000**2, 'mb': 1000**2, 'mib': 1 << 20,
+    'g': 1000**3, 'gb': 1000**3, 'gib': 1 << 30,
+    't': 1000**4, 'tb': 1000**4, 'tib': 1 << 40,
+}
+_PATTERN = re.compile(r'^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$', re.I)
+
+BudgetLike = str | int | float
+
+
+@dataclasses.dataclass(frozen=True)
+class BudgetSpec:
+  """A parsed budget: exactly one of `bytes` or `fraction` is set."""
+
+  text: str
+  bytes: int | None = None
+  fraction: float | None = None
+
+
+def parse(value: BudgetLike) -> BudgetSpec:
+  """Parses a `host_ram_budget` value; raises ValueError naming the fix."""
+  hint = (
+      'Use "auto", a number of bytes (e.g. 536870912), a size string such as'
+      ' "512MiB" or "8GB", or a fraction of available memory in (0, 1] such'
+      ' as 0.25.'
+  )
+  if isinstance(value, BudgetSpec):
+    return value
+  if isinstance(value, bool) or value is None:
+    raise ValueError(f'Invalid host_ram_budget={value!r}. {hint}')
+  if isinstance(value, int):
+    if value <= 0:
+      raise ValueError(
+          f'host_ram_budget={value!r} must be positive. {hint}'
+      )
+    return BudgetSpec(text=str(value), bytes=value)
+  if isinstance(value, float):
+    if not 0.0 < value <= 1.0:
+      raise ValueError(
+          f'host_ram_budget={value!r}: a float budget is a fraction of'
+          f' available memory and must be in (0, 1]. For bytes pass an int or'
+          f' a string such as "{value:g}GiB". {hint}'
+      )
+    return BudgetSpec(text=f'{value:g} of available', fraction=value)
+  if isinstance(value, str):
+    text = value.strip()
+    if text.lower() == 'auto':
+      return BudgetSpec(text='auto', fraction=AUTO_FRACTION)
+    m = _PATTERN.match(text)
+    if not m or m.group(2).lower() not in _UNITS:
+      raise ValueError(f'Cannot parse host_ram_budget={value!r}. {hint}')
+    nbytes = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if nbytes <= 0:
+      raise ValueError(f'host_ram_budget={value!r} must be positive. {hint}')
+    return BudgetSpec(text=text, bytes=nbytes)
+  raise ValueError(
+      f'Invalid host_ram_budget={value!r} of type {type(value).__name__}. {hint}'
+  )
+
+
+def resolve(spec: BudgetLike | BudgetSpec, mem: hostmem.HostMemory) -> int:
+  """The budget in bytes for this process now; clamps to what exists.
+
+  Args:
+    spec: a budget as the user wrote it, or parsed.
+    mem: the host memory probe to resolve fractions against.
+
+  Returns:
+    Bytes.  An explicit budget above this process's share of the host's
+    total memory is clamped to that share, with a warning: promising more
+    than exists would only move the OOM from the plan to the save.
+  """
+  spec = parse(spec)
+  if spec.fraction is not None:
+    return max(1, int(mem.available_share_bytes * spec.fraction))
+  assert spec.bytes is not None
+  limit = mem.total_share_bytes
+  if spec.bytes > limit:
+    logging.warning(
+        'host_ram_budget=%s is more than this process can have (%s of %s'
+        ' total, %d process(es) on this host); clamping to %s.',
+        spec.text,
+        hostmem.format_bytes(limit),
+        hostmem.format_bytes(mem.total_bytes),
+        mem.local_process_count,
+        hostmem.format_bytes(limit),
+    )
+    return limit
+  return spec.bytes

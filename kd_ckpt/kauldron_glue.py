@@ -1,0 +1,200 @@
+"""SafeCheckpointer: the Kauldron checkpointer that plans every save.
+
+The only module that imports Kauldron.
+
+In a config:
+
+  with konfig.imports():
+    import kd_ckpt
+  cfg.checkpointer = kd_ckpt.SafeCheckpointer(
+      save_interval_steps=500, host_ram_budget='auto')
+
+On the command line:
+
+  python -m kauldron.main --cfg=configs/gemma_lora.py \\
+      --cfg.checkpointer='py::kd_ckpt.SafeCheckpointer(save_interval_steps=500)'
+
+Everything a `kd.ckpts.Checkpointer` does still works (resume, max_to_keep,
+should_save, wait_until_finished, continuous eval's isinstance check), and its
+checkpoints are stock Kauldron checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Optional
+
+from absl import logging
+from etils import epath
+import jax
+from kauldron import kd
+from kauldron.checkpoints import lazy_checkpoint_manager
+import orbax.checkpoint as ocp
+
+from kd_ckpt import budget as budget_lib
+from kd_ckpt import hostmem
+from kd_ckpt import plan as plan_lib
+from kd_ckpt import report as report_lib
+from kd_ckpt import writer
+
+
+class _SafeLazyManager(lazy_checkpoint_manager.LazyCheckpointManager):
+  """Kauldron's lazy manager with our handler for every StandardSave item."""
+
+  def _create_manager(self, state) -> None:
+    super()._create_manager(state)
+    handlers = self._item_handlers
+    if isinstance(handlers, dict) and any(
+        type(h) is ocp.StandardCheckpointHandler for h in handlers.values()  # pylint: disable=unidiomatic-typecheck
+    ):
+      swapped = {
+          k: writer.SafePyTreeHandler()
+          if type(h) is ocp.StandardCheckpointHandler  # pylint: disable=unidiomatic-typecheck
+          else h
+          for k, h in handlers.items()
+      }
+      object.__setattr__(self, '_item_handlers', swapped)
+      # Rebuild the Orbax manager with the swapped handlers.
+      object.__setattr__(self, '_mgr', None)
+      super()._create_manager(None)
+
+  def safe_handlers(self) -> dict[str, writer.SafePyTreeHandler]:
+    handlers = self._item_handlers
+    if not isinstance(handlers, dict):
+      return {}
+    return {k: h for k, h in handlers.items() if isinstance(h, writer.SafePyTreeHandler)}
+
+
+@dataclasses.dataclass(frozen=True, eq=True, kw_only=True)
+class SafeCheckpointer(kd.ckpts.Checkpointer):
+  """A `kd.ckpts.Checkpointer` that keeps each save inside a host-RAM budget.
+
+  Before each save it estimates the peak host RAM from the state's shardings,
+  picks Orbax settings that fit (or the streaming writer when none do), logs
+  one line, and afterwards releases allocator slack and the host copies JAX
+  cached on the live state, so RSS does not ratchet from save to save.
+
+  Attributes:
+    host_ram_budget: extra host RAM a save may add: "auto" (half of what is
+      available to this process), bytes, "8GiB"-style strings, or a fraction
+      in (0, 1].  Checked when the config is built.
+    strategy: "auto" (fastest that fits), "orbax", or "streaming".
+    last_report: not a field; see `reports`.
+  """
+
+  host_ram_budget: Any = 'auto'
+  strategy: str = 'auto'
+
+  def __post_init__(self):
+    if hasattr(super(), '__post_init__'):
+      super().__post_init__()  # pytype: disable=attribute-error
+    # Fail at config time, not at the first save hours later.
+    budget_lib.parse(self.host_ram_budget)
+    plan_lib.check_strategy(self.strategy)
+
+  @functools.cached_property
+  def _ckpt_mgr(self) -> lazy_checkpoint_manager.LazyCheckpointManager:
+    base = super()._ckpt_mgr
+    return _SafeLazyManager(
+        directory=base.directory, options=base.options, fast=base.fast
+    )
+
+  @functools.cached_property
+  def reports(self) -> list[report_lib.SaveReport]:
+    """Reports of the saves made by this checkpointer, oldest first."""
+    return []
+
+  def _items_to_plan(self, state) -> dict[str, Any]:
+    args = state.__kd_ocp_save_args__()
+    items = {}
+    if isinstance(args, ocp.args.Composite):
+      for k in args.keys():
+        a = args[k]
+        if isinstance(a, ocp.args.StandardSave):
+          items[k] = a.item
+    elif isinstance(args, ocp.args.StandardSave):
+      items['default'] = args.item
+    return items
+
+  def save(
+      self,
+      state,
+      *,
+      step: int,
+      force: bool = False,
+      metrics: Optional[Any] = None,
+  ) -> bool:
+    """Plans, saves, reports; see `kd.ckpts.Checkpointer.save`."""
+    mgr = self._ckpt_mgr
+    mgr._get_manager(state)  # pylint: disable=protected-access
+    # The previous async save must finish before we measure this one.
+    mgr.wait_until_finished()
+    self._write_pending_report()
+    items = self._items_to_plan(state)
+    mem = hostmem.probe()
+    budget_bytes = budget_lib.resolve(self.host_ram_budget, mem)
+    spec = budget_lib.parse(self.host_ram_budget)
+    plans = {}
+    handlers = mgr.safe_handlers()
+    est_all = [plan_lib.estimate_lib.estimate_tree(t) for t in items.values()]
+    # One plan for all items together: they are saved in the same call.
+    combined = plan_lib.estimate_lib.TreeEstimate(
+        leaves=tuple(l for e in est_all for l in e.leaves),
+        platform=jax.default_backend(),
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+    )
+    plan = plan_lib.plan_from_estimate(
+        combined, budget_bytes=budget_bytes, budget_text=spec.text,
+        strategy=self.strategy,
+    )
+    for k, h in handlers.items():
+      h.use_plan(plan)
+      plans[k] = plan
+    logging.info('kd_ckpt step %d: %s', step, plan.summary())
+
+    with hostmem.PeakRss() as peak:
+      start = time.monotonic()
+      saved = super().save(state, step=step, force=force, metrics=metrics)
+      if not (plan.orbax is not None and plan.orbax.use_async):
+        # Sync and streaming plans: the budget covers the whole save.
+        mgr.wait_until_finished()
+      seconds = time.monotonic() - start
+      writer.after_save(items)
+    report = report_lib.SaveReport(
+        directory=str(self._step_dir(step)),
+        strategy=plan.strategy,
+        settings=(plan.orbax.short() if plan.orbax else
+                  f'slices of {hostmem.format_bytes(plan.slice_bytes or 0)},'
+                  f' {plan.slices_in_flight} in flight'),
+        budget_bytes=plan.budget_bytes,
+        predicted_peak_bytes=plan.predicted_peak_bytes,
+        peak_extra_bytes=peak.extra_bytes,
+        retained_bytes=peak.retained_bytes,
+        bytes_written=plan.total_bytes,
+        seconds=seconds,
+        exact_peak=peak.exact,
+    )
+    self.reports.append(report)
+    # Written once the async commit has renamed the step directory.
+    object.__setattr__(self, '_pending_report', (step, report))
+    logging.info('kd_ckpt step %d saved: %s', step, report.summary())
+    return saved
+
+  def _step_dir(self, step: int) -> epath.Path:
+    return epath.Path(self.workdir) / kd.ckpts.checkpointer.CHECKPOINT_FOLDER_NAME / f'ckpt_{step}'
+
+  def _write_pending_report(self) -> None:
+    pending = self.__dict__.pop('_pending_report', None)  # frozen: bypass
+    if pending is None or jax.process_index() != 0:
+      return
+    step, report = pending
+    d = self._step_dir(step)
+    if d.exists():
+      report.write_json(d / report_lib.REPORT_FILE_NAME)
+
+  def wait_until_finished(self) -> None:
+    super().wait_until_finished()
+    self._write_pending_report()

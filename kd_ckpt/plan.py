@@ -1,0 +1,343 @@
+"""The policy: pick the save strategy and Orbax settings that fit the budget.
+
+Preference, first that fits wins (Orbax's defaults are never taken blindly):
+
+  1. Orbax async, zstd on: training continues while the save is written, as
+     with stock Kauldron.  Pinned-host staging only if it fits too.
+  2. Orbax async, zstd off: TensorStore then references the host copy instead
+     of encoding into new buffers (the checkpoint is ~10% larger on disk).
+  3. Orbax sync with `save_device_host_concurrent_bytes` and
+     `save_concurrent_bytes` set, zstd off: batches of whole arrays.
+  4. Streaming: leaf by leaf, big leaves in slices; holds any budget above
+     `streaming.MIN_BUDGET_BYTES`.
+
+Replica parallelism is chosen per candidate: on, when it lowers what this
+host writes (replicas on other hosts share the work) and costs no extra host
+copy; off otherwise.
+
+Example:
+
+  plan = kd_ckpt.plan_save(state, host_ram_budget="2GiB")
+  print(plan)                 # table: leaves, candidates, choice
+  plan.strategy, plan.predicted_peak_bytes
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Literal
+
+from kd_ckpt import budget as budget_lib
+from kd_ckpt import estimate as estimate_lib
+from kd_ckpt import hostmem
+from kd_ckpt import streaming_layout
+
+Strategy = Literal['auto', 'orbax', 'streaming']
+STRATEGIES = ('auto', 'orbax', 'streaming')
+
+# Orbax's PyTree handler raises if one write is larger than
+# `save_concurrent_bytes`; never set it below this many bytes of a chunk.
+_MIN_CONCURRENT_BYTES = 64 << 20
+
+
+class BudgetTooSmallError(ValueError):
+  """No strategy can save this tree within the host-RAM budget."""
+
+
+@dataclasses.dataclass(frozen=True)
+class OrbaxSettings:
+  """The Orbax knobs kd_ckpt sets (None: not set, Orbax has no limit)."""
+
+  use_async: bool = True
+  use_compression: bool = True
+  use_replica_parallel: bool = True
+  enable_pinned_host_transfer: bool = False
+  save_concurrent_bytes: int | None = None
+  save_device_host_concurrent_bytes: int | None = None
+
+  def short(self) -> str:
+    parts = ['async' if self.use_async else 'sync',
+             'zstd' if self.use_compression else 'raw',
+             'replica-parallel' if self.use_replica_parallel else 'single-replica']
+    if self.enable_pinned_host_transfer:
+      parts.append('pinned')
+    if self.save_concurrent_bytes is not None:
+      parts.append(f'concurrent={hostmem.format_bytes(self.save_concurrent_bytes)}')
+    if self.save_device_host_concurrent_bytes is not None:
+      parts.append(
+          f'd2h={hostmem.format_bytes(self.save_device_host_concurrent_bytes)}'
+      )
+    return ','.join(parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One way to save, with its predicted peak extra host RAM."""
+
+  name: str
+  strategy: Literal['orbax', 'streaming']
+  predicted_peak_bytes: int
+  fits: bool
+  orbax: OrbaxSettings | None = None
+  slice_bytes: int | None = None
+  slices_in_flight: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SavePlan:
+  """What a save will do, decided before anything is copied.
+
+  Attributes:
+    strategy: 'orbax' or 'streaming'.
+    budget_bytes: the resolved host-RAM budget for this process.
+    budget_text: the budget as the user wrote it.
+    predicted_peak_bytes: predicted peak extra host RAM of the chosen way.
+    total_bytes: bytes this host writes.
+    global_bytes: bytes of the whole tree.
+    num_leaves: leaves in the tree.
+    largest_leaf_bytes: the largest leaf (global).
+    orbax: the chosen Orbax settings (None for streaming).
+    slice_bytes: streaming slice size (None for Orbax).
+    slices_in_flight: streaming pipeline depth (None for Orbax).
+    candidates: every strategy considered, with its prediction.
+    estimate: the per-leaf estimate the plan was made from.
+    platform: JAX backend the estimate is for.
+  """
+
+  strategy: Literal['orbax', 'streaming']
+  budget_bytes: int
+  budget_text: str
+  predicted_peak_bytes: int
+  total_bytes: int
+  global_bytes: int
+  num_leaves: int
+  largest_leaf_bytes: int
+  orbax: OrbaxSettings | None
+  slice_bytes: int | None
+  slices_in_flight: int | None
+  candidates: tuple[Candidate, ...]
+  estimate: estimate_lib.TreeEstimate = dataclasses.field(repr=False)
+  platform: str = 'cpu'
+
+  @property
+  def fits(self) -> bool:
+    return self.predicted_peak_bytes <= self.budget_bytes
+
+  def to_json_dict(self) -> dict[str, Any]:
+    """A JSON-serialisable summary (what `python -m kd_ckpt plan --json` prints)."""
+    return {
+        'strategy': self.strategy,
+        'budget_bytes': self.budget_bytes,
+        'budget': self.budget_text,
+        'predicted_peak_bytes': self.predicted_peak_bytes,
+        'total_bytes': self.total_bytes,
+        'global_bytes': self.global_bytes,
+        'num_leaves': self.num_leaves,
+        'largest_leaf_bytes': self.largest_leaf_bytes,
+        'platform': self.platform,
+        'orbax': dataclasses.asdict(self.orbax) if self.orbax else None,
+        'slice_bytes': self.slice_bytes,
+        'slices_in_flight': self.slices_in_flight,
+        'candidates': [
+            {
+                'name': c.name,
+                'strategy': c.strategy,
+                'predicted_peak_bytes': c.predicted_peak_bytes,
+                'fits': c.fits,
+            }
+            for c in self.candidates
+        ],
+        'largest_leaves': [
+            {'path': l.path, 'shape': list(l.shape), 'dtype': l.dtype,
+             'bytes': l.global_bytes, 'host_bytes': l.host_bytes(True)}
+            for l in self.estimate.largest(8)
+        ],
+    }
+
+  def to_json(self) -> str:
+    return json.dumps(self.to_json_dict(), indent=2)
+
+  def summary(self) -> str:
+    """One line, for logs."""
+    how = (
+        self.orbax.short() if self.orbax
+        else f'slices of {hostmem.format_bytes(self.slice_bytes or 0)}'
+        f' x{self.slices_in_flight}'
+    )
+    return (
+        f'strategy={self.strategy} ({how}) predicted peak'
+        f' {hostmem.format_bytes(self.predicted_peak_bytes)} of budget'
+        f' {hostmem.format_bytes(self.budget_bytes)} ({self.budget_text});'
+        f' writes {hostmem.format_bytes(self.total_bytes)} in'
+        f' {self.num_leaves} leaves'
+    )
+
+  def __str__(self) -> str:
+    fb = hostmem.format_bytes
+    lines = [
+        f'kd_ckpt save plan ({self.platform}, process'
+        f' {self.estimate.process_index}/{self.estimate.process_count})',
+        f'  this host writes  {fb(self.total_bytes)} of {fb(self.global_bytes)}'
+        f' in {self.num_leaves} leaves (largest leaf {fb(self.largest_leaf_bytes)})',
+        f'  budget            {fb(self.budget_bytes)} ({self.budget_text})',
+        f'  choice            {self.summary()}',
+        '',
+    ]
+    rows = [('candidate', 'predicted peak', 'x budget', 'fits')]
+    for c in self.candidates:
+      rows.append((
+          c.name, fb(c.predicted_peak_bytes),
+          f'{c.predicted_peak_bytes / max(1, self.budget_bytes):.2f}',
+          'yes' if c.fits else 'no',
+      ))
+    lines.append(estimate_lib._table(rows))  # pylint: disable=protected-access
+    lines.append('')
+    lines.append(str(self.estimate))
+    return '\n'.join(lines)
+
+
+def _orbax_candidate(name, est, budget_bytes, settings_list) -> Candidate:
+  """The cheapest of several settings variants (e.g. replica parallel on/off)."""
+  best = None
+  for s in settings_list:
+    cost = estimate_lib.predict_orbax(
+        est,
+        use_replica_parallel=s.use_replica_parallel,
+        enable_pinned_host_transfer=s.enable_pinned_host_transfer,
+        use_compression=s.use_compression,
+        save_concurrent_bytes=s.save_concurrent_bytes,
+        save_device_host_concurrent_bytes=s.save_device_host_concurrent_bytes,
+    )
+    # Prefer fewer bytes written by this host, then lower peak.
+    key = (cost.peak_bytes > budget_bytes, est.total_bytes(s.use_replica_parallel), cost.peak_bytes)
+    if best is None or key < best[0]:
+      best = (key, s, cost)
+  _, s, cost = best
+  return Candidate(
+      name=name, strategy='orbax', predicted_peak_bytes=cost.peak_bytes,
+      fits=cost.peak_bytes <= budget_bytes, orbax=s,
+  )
+
+
+def candidates_for(est: estimate_lib.TreeEstimate, budget_bytes: int) -> list[Candidate]:
+  """Every way to save `est`, in order of preference."""
+  out = []
+  rp_options = (True, False)
+  accelerator = est.platform in ('gpu', 'cuda', 'rocm')
+  for compress, name in ((True, 'orbax async zstd'), (False, 'orbax async raw')):
+    variants = []
+    for rp in rp_options:
+      if accelerator:
+        variants.append(OrbaxSettings(use_compression=compress, use_replica_parallel=rp,
+                                      enable_pinned_host_transfer=True))
+      variants.append(OrbaxSettings(use_compression=compress, use_replica_parallel=rp))
+    out.append(_orbax_candidate(name, est, budget_bytes, variants))
+  # Limited: leave a third of the budget to each of the two limits and the
+  # largest array (the d2h batcher always lets one whole array through).
+  limit = max(_MIN_CONCURRENT_BYTES, budget_bytes // 3)
+  out.append(_orbax_candidate('orbax sync limited', est, budget_bytes, [
+      OrbaxSettings(use_async=False, use_compression=False, use_replica_parallel=rp,
+                    save_concurrent_bytes=limit,
+                    save_device_host_concurrent_bytes=limit)
+      for rp in rp_options
+  ]))
+  layout = streaming_layout.choose(budget_bytes)
+  peak = streaming_layout.predict_peak(est, layout)
+  out.append(Candidate(
+      name='streaming', strategy='streaming', predicted_peak_bytes=peak,
+      fits=peak <= budget_bytes and layout.feasible,
+      slice_bytes=layout.slice_bytes, slices_in_flight=layout.slices_in_flight,
+  ))
+  return out
+
+
+def check_strategy(strategy: str) -> str:
+  if strategy not in STRATEGIES:
+    raise ValueError(
+        f'Unknown strategy={strategy!r}. It needs to be one of {list(STRATEGIES)}:'
+        ' "auto" picks the fastest way that fits the budget, "orbax" forces'
+        ' an Orbax save (with settings fitted to the budget where possible),'
+        ' "streaming" forces the bounded slice-by-slice writer.'
+    )
+  return strategy
+
+
+def plan_from_estimate(
+    est: estimate_lib.TreeEstimate,
+    *,
+    budget_bytes: int,
+    budget_text: str = '',
+    strategy: str = 'auto',
+) -> SavePlan:
+  """Chooses among `candidates_for(est)`; raises BudgetTooSmallError if none fit."""
+  check_strategy(strategy)
+  cands = candidates_for(est, budget_bytes)
+  pool = [c for c in cands if strategy == 'auto' or c.strategy == strategy]
+  fitting = [c for c in pool if c.fits]
+  if fitting:
+    choice = fitting[0]
+  elif strategy == 'orbax':
+    # The user insisted on Orbax: give the cheapest Orbax settings and let
+    # the log and report say it will not fit.
+    choice = min(pool, key=lambda c: c.predicted_peak_bytes)
+  else:
+    stream = next(c for c in cands if c.strategy == 'streaming')
+    raise BudgetTooSmallError(
+        f'host_ram_budget={budget_text or budget_bytes} resolves to'
+        f' {hostmem.format_bytes(budget_bytes)}, below what any strategy needs'
+        f' for this tree: the streaming save needs at least'
+        f' {hostmem.format_bytes(streaming_layout.MIN_BUDGET_BYTES)} and is'
+        f' predicted at {hostmem.format_bytes(stream.predicted_peak_bytes)}.'
+        f' Raise host_ram_budget to at least'
+        f' {hostmem.format_bytes(max(stream.predicted_peak_bytes, streaming_layout.MIN_BUDGET_BYTES))}.'
+    )
+  return SavePlan(
+      strategy=choice.strategy,
+      budget_bytes=budget_bytes,
+      budget_text=budget_text or str(budget_bytes),
+      predicted_peak_bytes=choice.predicted_peak_bytes,
+      total_bytes=est.total_bytes(choice.orbax.use_replica_parallel if choice.orbax else True),
+      global_bytes=est.global_bytes,
+      num_leaves=est.num_leaves,
+      largest_leaf_bytes=max((l.global_bytes for l in est.leaves), default=0),
+      orbax=choice.orbax,
+      slice_bytes=choice.slice_bytes,
+      slices_in_flight=choice.slices_in_flight,
+      candidates=tuple(cands),
+      estimate=est,
+      platform=est.platform,
+  )
+
+
+def plan_save(
+    tree: Any,
+    *,
+    host_ram_budget: budget_lib.BudgetLike = 'auto',
+    strategy: str = 'auto',
+    memory: hostmem.HostMemory | None = None,
+) -> SavePlan:
+  """Plans a save of `tree` within `host_ram_budget`, copying nothing.
+
+  Args:
+    tree: a pytree of `jax.Array`s, `jax.ShapeDtypeStruct`s with shardings
+      (e.g. from `jax.eval_shape`), numpy arrays and scalars.
+    host_ram_budget: extra host RAM the save may add; see `kd_ckpt.budget`.
+    strategy: 'auto', 'orbax' or 'streaming'.
+    memory: a host-memory probe to plan against (default: probe now).
+
+  Returns:
+    A `SavePlan`; `print(plan)` shows the table.
+
+  Raises:
+    ValueError: bad budget or strategy, or a deleted array in the tree.
+    BudgetTooSmallError: no strategy fits the budget.
+  """
+  check_strategy(strategy)
+  spec = budget_lib.parse(host_ram_budget)
+  mem = memory if memory is not None else hostmem.probe()
+  budget_bytes = budget_lib.resolve(spec, mem)
+  est = estimate_lib.estimate_tree(tree)
+  return plan_from_estimate(
+      est, budget_bytes=budget_bytes, budget_text=spec.text, strategy=strategy
+  )

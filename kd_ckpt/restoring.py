@@ -1,0 +1,130 @@
+"""Restore within a budget: leaf by leaf, slice by slice, into any sharding.
+
+Each target shard is allocated on its device once, then filled slice by slice
+(`lax.dynamic_update_slice` with the shard donated, so it is updated in
+place).  Host memory holds one slice at a time, plus whatever TensorStore
+must decode: a slice inside a larger stored chunk costs that chunk, so
+checkpoints written by the streaming writer (slice-sized chunks) restore
+within the budget, while a stock Orbax checkpoint (one chunk per saved
+shard) costs up to its largest saved shard.
+
+Example:
+
+  state = restoring.restore_tree(path, abstract_state, budget_bytes=256 << 20)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint._src.handlers import base_pytree_checkpoint_handler
+from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+import tensorstore as ts
+
+from kd_ckpt import hostmem
+from kd_ckpt import streaming
+from kd_ckpt import streaming_layout
+
+
+def _restore_slice_bytes(budget_bytes: int) -> int:
+  # A slice is read into one host buffer, then copied to each device holding
+  # it; TensorStore's decode buffer is the third copy.
+  usable = max(streaming_layout.MIN_SLICE_BYTES * 3, budget_bytes - streaming_layout.FLOOR_BYTES)
+  return int(min(streaming_layout.MAX_SLICE_BYTES, max(streaming_layout.MIN_SLICE_BYTES, usable // 3)))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _update(buf, piece, starts):
+  return jax.lax.dynamic_update_slice(buf, piece, tuple(starts))
+
+
+def _open(directory, name: str) -> ts.TensorStore:
+  kv = ts_utils.build_kvstore_tspec(directory.as_posix(), name=name, use_ocdbt=True)
+  last = None
+  for driver in ('zarr', 'zarr3'):
+    try:
+      return ts.open({'driver': driver, 'kvstore': kv}, open=True, read=True,
+                     context=ts_utils.get_ts_context(use_ocdbt=True)).result()
+    except ValueError as e:  # Not this zarr version.
+      last = e
+  raise ValueError(f'Cannot open array {name!r} in {directory}: {last}')
+
+
+def restore_array(
+    directory, name: str, target: jax.ShapeDtypeStruct | jax.Array, slice_bytes: int
+) -> jax.Array:
+  """Reads one stored array into `target`'s sharding, one slice at a time."""
+  t = _open(directory, name)
+  shape = tuple(target.shape)
+  if tuple(t.shape) != shape:
+    raise ValueError(
+        f'Leaf {name!r}: checkpoint shape {tuple(t.shape)} != target shape'
+        f' {shape}. Pass a target with the saved shapes (see `python -m'
+        ' kd_ckpt inspect`).'
+    )
+  dtype = np.dtype(target.dtype)
+  sharding = target.sharding
+  itemsize = dtype.itemsize
+  dev_to_index = sharding.addressable_devices_indices_map(shape)
+  groups: dict[Any, list] = {}
+  for device, index in dev_to_index.items():
+    key = tuple((s.start, s.stop) for s in index)
+    groups.setdefault(key, []).append((device, index))
+  shards = {}
+  for members in groups.values():
+    index = members[0][1]
+    shard_shape = tuple(
+        (s.stop if s.stop is not None else n) - (s.start or 0) for s, n in zip(index, shape)
+    )
+    bufs = {d: jax.numpy.zeros(shard_shape, dtype, device=d) for d, _ in members}
+    if math.prod(shard_shape) > 0:
+      chunk = streaming.slice_chunk_shape(shard_shape, itemsize, slice_bytes)
+      for box in streaming.slice_boxes(shard_shape, chunk, itemsize, slice_bytes):
+        glob = streaming._offset(tuple(index), box, shape)  # pylint: disable=protected-access
+        host = t[glob].read().result()
+        if host.dtype != dtype:
+          host = host.astype(dtype)
+        starts = np.array([b.start for b in box], dtype=np.int32)
+        for d in bufs:
+          bufs[d] = _update(bufs[d], jax.device_put(host, d), starts)
+        del host
+    shards.update(bufs)
+  arrays = [shards[d] for d in dev_to_index]
+  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
+def restore_tree(directory, target: Any, *, budget_bytes: int) -> Any:
+  """Restores every leaf of `target` (None: the saved structure and shardings)."""
+  if target is None:
+    meta = ocp.StandardCheckpointer().metadata(directory)
+    tree_meta = getattr(meta, 'item_metadata', None) or meta
+    tree_meta = getattr(tree_meta, 'tree', tree_meta)
+
+    def to_struct(m):
+      sharding = getattr(m, 'sharding', None)
+      if sharding is None:
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+      return jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding)
+
+    target = jax.tree.map(to_struct, tree_meta)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+  if not all(isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) for _, x in flat):
+    # Host values (numpy arrays, scalars): Orbax's own restore, which reads
+    # them whole -- they are small by nature.
+    return ocp.StandardCheckpointer().restore(directory, target)
+  names = base_pytree_checkpoint_handler.get_param_names(target)
+  flat_names = jax.tree_util.tree_leaves(names)
+  slice_bytes = _restore_slice_bytes(budget_bytes)
+  leaves = []
+  for (path, x), name in zip(flat, flat_names):
+    if getattr(x, 'sharding', None) is None:
+      x = jax.ShapeDtypeStruct(x.shape, x.dtype,
+                               sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    leaves.append(restore_array(directory, name, x, slice_bytes))
+    hostmem.release_free_memory()
+  return jax.tree_util.tree_unflatten(treedef, leaves)

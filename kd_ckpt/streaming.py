@@ -1,0 +1,321 @@
+"""The streaming writer: leaf by leaf, big leaves in chunk-aligned slices.
+
+`StreamingArrayHandler` is an Orbax `ArrayHandler` whose `serialize` never
+holds more than `slices_in_flight` slices of `slice_bytes` in host memory.
+Everything else is Orbax's own: the PyTree handler, `_METADATA`, `_sharding`,
+the OCDBT layout, the zarr3 TensorStore spec (`build_array_write_spec`), the
+temporary directory and the atomic rename.  Only the chunk shape differs: the
+zarr chunk grid is chosen so that every slice is a whole number of chunks,
+so TensorStore never buffers or re-reads a partial chunk.  Stock Orbax reads
+any chunk grid, so the checkpoint restores without kd_ckpt.
+
+Per slice: slice the shard on its device, copy that slice to a fresh host
+buffer, hand it to TensorStore, and drop it when the write is durable.  No
+full-shard host copy exists, and the live arrays' host-value cache
+(`jax.Array._npy_value`) is never filled, so nothing stays attached to the
+training state after the save.
+
+Example (what `kd_ckpt.save(..., strategy="streaming")` does):
+
+  handler = StreamingArrayHandler(slice_bytes=16 << 20, slices_in_flight=2)
+  registry = ocp.handlers.create_default_type_handler_registry(
+      (jax.Array, handler))
+  ocp.PyTreeCheckpointer(...)  # with that registry
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import math
+import threading
+import time
+from typing import Any, Sequence
+
+from absl import logging
+import jax
+import numpy as np
+from orbax.checkpoint._src.futures import future as future_lib
+from orbax.checkpoint._src.multihost import multihost
+from orbax.checkpoint._src.path import async_path  # pylint: disable=unused-import
+from orbax.checkpoint._src.serialization import jax_array_handlers
+from orbax.checkpoint._src.serialization import ocdbt_utils
+from orbax.checkpoint._src.serialization import replica_slices as replica_slices_lib
+from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+from orbax.checkpoint._src.serialization import types
+import tensorstore as ts
+
+from kd_ckpt import hostmem
+
+
+def slice_chunk_shape(local_shape: Sequence[int], itemsize: int, slice_bytes: int) -> tuple[int, ...]:
+  """A zarr chunk shape that tiles `local_shape` in pieces of <= slice_bytes.
+
+  Axes before the split axis get 1, the split axis gets the largest divisor
+  of its length that fits, later axes stay whole.  Divisors keep chunks from
+  straddling two shards (two writers on one chunk would race).
+  """
+  shape = [int(d) for d in local_shape]
+  if not shape or math.prod(shape) * itemsize <= slice_bytes:
+    return tuple(max(1, d) for d in shape)
+  for axis in range(len(shape)):
+    trailing = math.prod(shape[axis + 1:]) * itemsize
+    if trailing <= slice_bytes:
+      fit = max(1, slice_bytes // trailing)
+      d = _largest_divisor_at_most(shape[axis], fit)
+      return tuple([1] * axis + [d] + shape[axis + 1:])
+  return tuple([1] * len(shape))
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+  if n <= limit:
+    return n
+  best = 1
+  i = 1
+  while i * i <= n:
+    if n % i == 0:
+      if i <= limit:
+        best = max(best, i)
+      if n // i <= limit:
+        best = max(best, n // i)
+    i += 1
+  return best
+
+
+def slice_boxes(
+    local_shape: Sequence[int], chunk: Sequence[int], itemsize: int, slice_bytes: int
+):
+  """Yields tuples of python slices covering `local_shape`, each whole chunks.
+
+  Consecutive chunks along the split axis are grouped up to `slice_bytes`
+  (chunks can be smaller than a slice when the axis has poor divisors).
+  """
+  shape = list(local_shape)
+  if not shape:
+    yield ()
+    return
+  split = next((a for a in range(len(shape)) if chunk[a] != shape[a]), None)
+  if split is None:
+    yield tuple(slice(0, n) for n in shape)
+    return
+  trailing = math.prod(shape[split + 1:]) * itemsize
+  step = chunk[split] * max(1, slice_bytes // max(1, chunk[split] * trailing))
+  outer = [range(n) for n in shape[:split]]
+  for prefix in np.ndindex(*[len(r) for r in outer]) if outer else [()]:
+    for start in range(0, shape[split], step):
+      stop = min(shape[split], start + step)
+      yield (
+          tuple(slice(i, i + 1) for i in prefix)
+          + (slice(start, stop),)
+          + tuple(slice(0, n) for n in shape[split + 1:])
+      )
+
+
+def _offset(index: tuple[slice, ...], box: tuple[slice, ...], shape) -> tuple[slice, ...]:
+  """`box` (relative to a shard) moved to global coordinates of `index`."""
+  out = []
+  for s, b, n in zip(index, box, shape):
+    start = (s.start or 0) if isinstance(s, slice) else 0
+    out.append(slice(start + b.start, start + b.stop))
+  return tuple(out)
+
+
+@dataclasses.dataclass
+class StreamStats:
+  """Counters shared by one save (the progress display reads them)."""
+
+  bytes_written: int = 0
+  slices_written: int = 0
+  start_secs: float = dataclasses.field(default_factory=time.monotonic)
+  lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+  def add(self, nbytes: int) -> None:
+    with self.lock:
+      self.bytes_written += nbytes
+      self.slices_written += 1
+
+
+class Progress:
+  """A bounded progress display: at most ~8 INFO lines per save, process 0.
+
+  Silent for saves shorter than `after_secs`.
+  """
+
+  def __init__(self, total_bytes: int, *, after_secs: float = 3.0, max_lines: int = 8):
+    self.total_bytes = max(1, total_bytes)
+    self.after_secs = after_secs
+    self.max_lines = max_lines
+    self.lines = 0
+    self.next_fraction = 0.0
+    self.start = time.monotonic()
+    self.enabled = jax.process_index() == 0
+
+  def update(self, done_bytes: int) -> None:
+    if not self.enabled or self.lines >= self.max_lines:
+      return
+    elapsed = time.monotonic() - self.start
+    frac = done_bytes / self.total_bytes
+    if elapsed < self.after_secs or frac < self.next_fraction:
+      return
+    if self.lines == 0:
+      logging.info('kd_ckpt streaming save: %s to write', hostmem.format_bytes(self.total_bytes))
+    self.lines += 1
+    self.next_fraction = frac + 1.0 / self.max_lines
+    logging.info(
+        'kd_ckpt streaming save: %5.1f%% %s, %.2f GB/s',
+        100 * frac, hostmem.format_bytes(done_bytes),
+        done_bytes / 1e9 / max(elapsed, 1e-9),
+    )
+
+
+def _to_host(data: jax.Array, box: tuple[slice, ...]) -> np.ndarray:
+  """One slice of a single-device array, copied into a fresh host buffer.
+
+  On accelerators the slice is cut on the device, then transferred.  On the
+  CPU backend the device buffer *is* host memory: we read it through a
+  zero-copy view and copy the slice explicitly, which is exactly what a GPU
+  host pays (one host buffer per slice) -- no more, no less.
+  """
+  if next(iter(data.devices())).platform == 'cpu':
+    view = np.asarray(data)  # zero-copy on CPU; `data` is a per-shard array.
+    return np.array(view[box], copy=True, order='C')
+  piece = data[box] if box else data
+  return np.asarray(jax.device_get(piece))
+
+
+class StreamingArrayHandler(jax_array_handlers.ArrayHandler):
+  """An Orbax ArrayHandler that writes within a fixed host-memory envelope."""
+
+  def __init__(
+      self,
+      *,
+      slice_bytes: int,
+      slices_in_flight: int = 2,
+      use_replica_parallel: bool = True,
+      stats: StreamStats | None = None,
+      progress_total_bytes: int = 0,
+      **kwargs,
+  ):
+    super().__init__(use_replica_parallel=use_replica_parallel, **kwargs)
+    self.slice_bytes = int(slice_bytes)
+    self.slices_in_flight = max(1, int(slices_in_flight))
+    self.stats = stats if stats is not None else StreamStats()
+    self._progress = Progress(progress_total_bytes) if progress_total_bytes else None
+
+  async def serialize(
+      self,
+      values: Sequence[jax.Array],
+      infos: Sequence[types.ParamInfo],
+      args: Sequence[types.SaveArgs] | None = None,
+  ) -> Sequence[future_lib.Future]:
+    args = args or [types.SaveArgs()] * len(values)
+    types.check_input_arguments(values, infos, args)
+    jax_array_handlers.check_array_values(values, infos)
+    arrays, ext_metadata = [], {}
+    for v, info in zip(values, infos):
+      if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key):
+        ext_metadata[info.name] = {
+            jax_array_handlers.array_metadata_lib.RANDOM_KEY_IMPL: str(jax.random.key_impl(v))
+        }
+        v = jax.random.key_data(v)
+      arrays.append(v)
+    self._ext_metadata = ext_metadata
+
+    futures = []
+    if self._enable_write_sharding_file:
+      # Orbax's own sharding file writer: same `_sharding` as a stock save.
+      futures.append(future_lib.CommitFutureAwaitingContractedSignals(
+          jax_array_handlers._async_serialize_shardings(  # pylint: disable=protected-access
+              shardings=[a.sharding for a in arrays], infos=infos,
+              primary_host=self._primary_host,
+          ),
+          name='kd_ckpt_serialize_shardings',
+      ))
+    # The arrays are written *now*, before this coroutine returns: the
+    # caller may donate or overwrite them as soon as `save()` returns, and
+    # we keep no host copy to write from later.
+    metadatas = []
+    for arr, info, arg in zip(arrays, infos, args):
+      metadatas.append(await self._write_array(arr, info, arg, ext_metadata.get(info.name)))
+    if self._array_metadata_store is not None:
+      await self._array_metadata_store.write(
+          checkpoint_dir=infos[0].parent_dir,
+          array_metadatas=metadatas,
+          process_index=multihost.process_index(),
+      )
+    return futures
+
+  async def _write_array(self, arr: jax.Array, info, arg, ext_metadata):
+    rslices = replica_slices_lib.get_replica_slices(
+        arr, self._replica_id, self._use_replica_parallel,
+        self._min_slice_bytes_for_replica_parallel,
+        self._max_replicas_for_replica_parallel,
+    )
+    itemsize = np.dtype(arr.dtype).itemsize
+    local_shape = tuple(rslices.local_shape)
+    chunk = slice_chunk_shape(local_shape, itemsize, self.slice_bytes)
+    await info.await_path_creation()
+    spec = ts_utils.build_array_write_spec(
+        info=info, arg=arg, global_shape=arr.shape, local_shape=local_shape,
+        dtype=arr.dtype, use_ocdbt=info.is_ocdbt_checkpoint,
+        process_index=ocdbt_utils.get_process_index_for_subdir(info.is_ocdbt_checkpoint),
+        metadata_key=self._metadata_key, ext_metadata=ext_metadata,
+    )
+    tspec = _with_chunk_shape(spec.json, chunk)
+    if self._primary_host is None or multihost.process_index() == self._primary_host:
+      await ts.open(ts.Spec(tspec), create=True, open=True, context=info.ts_context)
+    t = await ts.open(ts.Spec(tspec), open=True, assume_metadata=True, context=info.ts_context)
+    target_dtype = np.dtype(t.dtype.numpy_dtype)
+
+    in_flight: collections.deque = collections.deque()
+    for rslice in rslices.replica_slices:
+      data = rslice.unsliced_data
+      base = [slice(0, n) for n in data.shape]
+      if rslice.slice_args is not None:
+        a = rslice.slice_args
+        base[a.axis] = slice(a.start_index, a.limit_index)
+      for box in slice_boxes(local_shape, chunk, itemsize, self.slice_bytes):
+        src_box = tuple(
+            slice(b.start + bb.start, b.start + bb.stop) for b, bb in zip(base, box)
+        )
+        host = _to_host(data, src_box)
+        if host.dtype != target_dtype:
+          host = host.astype(target_dtype)
+        dst = _offset(tuple(rslice.index), box, arr.shape)
+        fut = t[dst].write(host, can_reference_source_data_indefinitely=True)
+        in_flight.append((fut, host.nbytes))
+        del host
+        while len(in_flight) >= self.slices_in_flight:
+          await self._retire(in_flight)
+    while in_flight:
+      await self._retire(in_flight)
+    del t
+    hostmem.release_free_memory()
+    return spec.metadata
+
+  async def _retire(self, in_flight: collections.deque) -> None:
+    fut, nbytes = in_flight.popleft()
+    await fut
+    self.stats.add(nbytes)
+    if self._progress is not None:
+      self._progress.update(self.stats.bytes_written)
+
+
+def _with_chunk_shape(tspec: dict[str, Any], chunk: tuple[int, ...]) -> dict[str, Any]:
+  """Sets the zarr chunk grid (outer and inner chunk of `sharding_indexed`)."""
+  spec = dict(tspec)
+  node = spec
+  while 'metadata' not in node:  # A cast driver wraps the zarr spec.
+    node = node['base'] = dict(node['base'])
+  meta = node['metadata'] = dict(node['metadata'])
+  if 'chunk_grid' in meta:  # zarr3
+    meta['chunk_grid'] = {'name': 'regular', 'configuration': {'chunk_shape': list(chunk)}}
+    codecs = [dict(c) for c in meta['codecs']]
+    for c in codecs:
+      if c.get('name') == 'sharding_indexed':
+        c['configuration'] = dict(c['configuration'], chunk_shape=list(chunk))
+    meta['codecs'] = codecs
+  else:  # zarr2
+    meta['chunks'] = list(chunk)
+  return spec

@@ -1,0 +1,158 @@
+"""Write: turn a SavePlan into Orbax handlers, and clean up after a save.
+
+Both strategies write through Orbax's `PyTreeCheckpointHandler` with the same
+format as `ocp.StandardCheckpointHandler()` (what Kauldron uses): OCDBT, zarr
+v2 arrays, `_METADATA`, `_sharding`.  The plan only changes the handler's
+knobs and, for streaming, the `jax.Array` type handler.
+
+Example:
+
+  handler = SafePyTreeHandler()
+  handler.use_plan(plan)
+  ocp.Checkpointer(handler).save(path, args=ocp.args.StandardSave(tree))
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from orbax.checkpoint._src.handlers import base_pytree_checkpoint_handler
+from orbax.checkpoint._src.handlers import pytree_checkpoint_handler
+from orbax.checkpoint._src.metadata import array_metadata_store as array_metadata_store_lib
+from orbax.checkpoint._src.serialization import type_handler_registry as registry_lib
+from orbax.checkpoint._src.serialization import type_handlers
+
+from kd_ckpt import hostmem
+from kd_ckpt import plan as plan_lib
+from kd_ckpt import streaming
+
+# Match `ocp.StandardCheckpointHandler()`: what stock Kauldron writes and
+# what every Orbax reader expects by default.
+USE_OCDBT = True
+USE_ZARR3 = False
+
+
+def _registry(array_handler) -> Any:
+  """Orbax's default type handlers with `array_handler` for jax.Array."""
+  pairs = []
+  for ty, handler in registry_lib._DEFAULT_TYPE_HANDLERS:  # pylint: disable=protected-access
+    pairs.append((ty, array_handler if ty is jax.Array else handler))
+  return registry_lib.create_type_handler_registry(*pairs)
+
+
+def array_handler_for(plan: plan_lib.SavePlan, stats: streaming.StreamStats | None = None):
+  store = array_metadata_store_lib.Store()
+  if plan.strategy == 'streaming':
+    return streaming.StreamingArrayHandler(
+        slice_bytes=plan.slice_bytes,
+        slices_in_flight=plan.slices_in_flight,
+        # Replica-parallel on one host only changes who writes; it never adds
+        # host memory here because each slice is copied separately.
+        use_replica_parallel=True,
+        stats=stats,
+        progress_total_bytes=plan.total_bytes,
+        array_metadata_store=store,
+    )
+  assert plan.orbax is not None
+  return type_handlers.ArrayHandler(
+      use_replica_parallel=plan.orbax.use_replica_parallel,
+      array_metadata_store=store,
+  )
+
+
+def pytree_handler_for(
+    plan: plan_lib.SavePlan, stats: streaming.StreamStats | None = None
+) -> ocp.PyTreeCheckpointHandler:
+  """A PyTreeCheckpointHandler configured exactly as `plan` says."""
+  o = plan.orbax
+  kwargs = {}
+  if o is not None:
+    kwargs.update(
+        save_concurrent_bytes=o.save_concurrent_bytes,
+        save_device_host_concurrent_bytes=o.save_device_host_concurrent_bytes,
+        use_compression=o.use_compression,
+        enable_pinned_host_transfer=o.enable_pinned_host_transfer,
+    )
+    if o.save_device_host_concurrent_bytes is not None:
+      # Orbax batches device->host copies only for keys marked non-prioritized;
+      # mark all of them so the limit applies (the save is synchronous).
+      kwargs['is_prioritized_key_fn'] = lambda keypath: False
+  else:
+    kwargs.update(enable_pinned_host_transfer=False)
+  impl = base_pytree_checkpoint_handler.BasePyTreeCheckpointHandler(
+      use_ocdbt=USE_OCDBT,
+      use_zarr3=USE_ZARR3,
+      type_handler_registry=_registry(array_handler_for(plan, stats)),
+      **kwargs,
+  )
+  return pytree_checkpoint_handler.PyTreeCheckpointHandler(
+      use_ocdbt=USE_OCDBT, use_zarr3=USE_ZARR3, handler_impl=impl
+  )
+
+
+class SafePyTreeHandler(ocp.StandardCheckpointHandler):
+  """A StandardCheckpointHandler whose Orbax knobs follow a SavePlan.
+
+  Drop-in for `ocp.StandardCheckpointHandler()` in a CheckpointManager: it
+  takes `StandardSave`/`StandardRestore` args and writes the same format.
+  Call `use_plan(plan)` before each save; restores use Orbax's defaults.
+  """
+
+  def __init__(self):
+    super().__init__()
+    self._default_impl = self._impl
+    self.plan: plan_lib.SavePlan | None = None
+    self.stats: streaming.StreamStats | None = None
+
+  def use_plan(self, plan: plan_lib.SavePlan | None) -> None:
+    self.plan = plan
+    if plan is None:
+      self._impl = self._default_impl
+      self.stats = None
+      return
+    self.stats = streaming.StreamStats()
+    self._impl = pytree_handler_for(plan, self.stats)
+
+  def restore(self, directory, item=None, args=None):
+    impl, self._impl = self._impl, self._default_impl
+    try:
+      return super().restore(directory, item=item, args=args)
+    finally:
+      self._impl = impl
+
+
+@ocp.args.register_with_handler(SafePyTreeHandler, for_save=True)
+class SafeSave(ocp.args.StandardSave):
+  """`StandardSave` for `SafePyTreeHandler` (so Orbax can pair them)."""
+
+
+@ocp.args.register_with_handler(SafePyTreeHandler, for_restore=True)
+class SafeRestore(ocp.args.StandardRestore):
+  """`StandardRestore` for `SafePyTreeHandler`."""
+
+
+def drop_host_caches(tree: Any) -> None:
+  """Drops host copies JAX cached on the live arrays during a save.
+
+  Orbax's `np.asarray(shard.data)` stores the host copy on the per-device
+  array (`_npy_value`), which lives as long as the training state: the
+  host RAM of a GPU/TPU save would otherwise stay taken until the next step
+  donates the buffers.  Clearing the cache frees it now.
+  """
+  for leaf in jax.tree_util.tree_leaves(tree):
+    if not isinstance(leaf, jax.Array):
+      continue
+    for arr in [leaf, *(getattr(leaf, '_arrays', None) or [])]:
+      if getattr(arr, '_npy_value', None) is not None:
+        try:
+          arr._npy_value = None  # pylint: disable=protected-access
+        except AttributeError:
+          pass
+
+
+def after_save(tree: Any) -> None:
+  """What every save ends with, so RSS does not ratchet from save to save."""
+  drop_host_caches(tree)
+  hostmem.release_free_memory()
