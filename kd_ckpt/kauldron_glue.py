@@ -155,6 +155,7 @@ class SafeCheckpointer(kd.ckpts.Checkpointer):
       plans[k] = plan
     logging.info('kd_ckpt step %d: %s', step, plan.summary())
 
+    hostmem.release_free_memory()
     with hostmem.PeakRss() as peak:
       start = time.monotonic()
       saved = super().save(state, step=step, force=force, metrics=metrics)

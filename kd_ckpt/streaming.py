@@ -95,7 +95,9 @@ def slice_boxes(
   if not shape:
     yield ()
     return
-  split = next((a for a in range(len(shape)) if chunk[a] != shape[a]), None)
+  # The split axis is the last one the chunk cuts; `slice_chunk_shape` cuts
+  # every axis before it to 1.
+  split = max((a for a in range(len(shape)) if chunk[a] != shape[a]), default=None)
   if split is None:
     yield tuple(slice(0, n) for n in shape)
     return
@@ -235,18 +237,30 @@ class StreamingArrayHandler(jax_array_handlers.ArrayHandler):
     # The arrays are written *now*, before this coroutine returns: the
     # caller may donate or overwrite them as soon as `save()` returns, and
     # we keep no host copy to write from later.
-    metadatas = []
-    for arr, info, arg in zip(arrays, infos, args):
-      metadatas.append(await self._write_array(arr, info, arg, ext_metadata.get(info.name)))
+    prepared = [self._prepare(a, i, g, ext_metadata.get(i.name))
+                for a, i, g in zip(arrays, infos, args)]
+    for info in infos:
+      await info.await_path_creation()
+    # Creating an array's metadata is a small OCDBT commit: do them all at
+    # once rather than one per leaf between data writes.
+    stores = await asyncio.gather(*[self._open(p, i) for p, i in zip(prepared, infos)])
+    # One pipeline across all leaves, so small leaves do not drain it.
+    in_flight: collections.deque = collections.deque()
+    for p, t in zip(prepared, stores):
+      await self._write_array(p, t, in_flight)
+    while in_flight:
+      await self._retire(in_flight)
+    del stores
+    hostmem.release_free_memory()
     if self._array_metadata_store is not None:
       await self._array_metadata_store.write(
           checkpoint_dir=infos[0].parent_dir,
-          array_metadatas=metadatas,
+          array_metadatas=[p.spec.metadata for p in prepared],
           process_index=multihost.process_index(),
       )
     return futures
 
-  async def _write_array(self, arr: jax.Array, info, arg, ext_metadata):
+  def _prepare(self, arr: jax.Array, info, arg, ext_metadata) -> '_Prepared':
     rslices = replica_slices_lib.get_replica_slices(
         arr, self._replica_id, self._use_replica_parallel,
         self._min_slice_bytes_for_replica_parallel,
@@ -255,44 +269,42 @@ class StreamingArrayHandler(jax_array_handlers.ArrayHandler):
     itemsize = np.dtype(arr.dtype).itemsize
     local_shape = tuple(rslices.local_shape)
     chunk = slice_chunk_shape(local_shape, itemsize, self.slice_bytes)
-    await info.await_path_creation()
     spec = ts_utils.build_array_write_spec(
         info=info, arg=arg, global_shape=arr.shape, local_shape=local_shape,
         dtype=arr.dtype, use_ocdbt=info.is_ocdbt_checkpoint,
         process_index=ocdbt_utils.get_process_index_for_subdir(info.is_ocdbt_checkpoint),
         metadata_key=self._metadata_key, ext_metadata=ext_metadata,
     )
-    tspec = _with_chunk_shape(spec.json, chunk)
-    if self._primary_host is None or multihost.process_index() == self._primary_host:
-      await ts.open(ts.Spec(tspec), create=True, open=True, context=info.ts_context)
-    t = await ts.open(ts.Spec(tspec), open=True, assume_metadata=True, context=info.ts_context)
-    target_dtype = np.dtype(t.dtype.numpy_dtype)
+    return _Prepared(arr, rslices, local_shape, chunk, itemsize, spec,
+                     _with_chunk_shape(spec.json, chunk))
 
-    in_flight: collections.deque = collections.deque()
-    for rslice in rslices.replica_slices:
+  async def _open(self, p: '_Prepared', info) -> ts.TensorStore:
+    if self._primary_host is None or multihost.process_index() == self._primary_host:
+      await ts.open(ts.Spec(p.tspec), create=True, open=True, context=info.ts_context)
+    return await ts.open(ts.Spec(p.tspec), open=True, assume_metadata=True,
+                         context=info.ts_context)
+
+  async def _write_array(self, p: '_Prepared', t: ts.TensorStore, in_flight) -> None:
+    target_dtype = np.dtype(t.dtype.numpy_dtype)
+    for rslice in p.rslices.replica_slices:
       data = rslice.unsliced_data
       base = [slice(0, n) for n in data.shape]
       if rslice.slice_args is not None:
         a = rslice.slice_args
         base[a.axis] = slice(a.start_index, a.limit_index)
-      for box in slice_boxes(local_shape, chunk, itemsize, self.slice_bytes):
+      for box in slice_boxes(p.local_shape, p.chunk, p.itemsize, self.slice_bytes):
         src_box = tuple(
             slice(b.start + bb.start, b.start + bb.stop) for b, bb in zip(base, box)
         )
         host = _to_host(data, src_box)
         if host.dtype != target_dtype:
           host = host.astype(target_dtype)
-        dst = _offset(tuple(rslice.index), box, arr.shape)
+        dst = _offset(tuple(rslice.index), box, p.arr.shape)
         fut = t[dst].write(host, can_reference_source_data_indefinitely=True)
         in_flight.append((fut, host.nbytes))
         del host
         while len(in_flight) >= self.slices_in_flight:
           await self._retire(in_flight)
-    while in_flight:
-      await self._retire(in_flight)
-    del t
-    hostmem.release_free_memory()
-    return spec.metadata
 
   async def _retire(self, in_flight: collections.deque) -> None:
     fut, nbytes = in_flight.popleft()
@@ -300,6 +312,19 @@ class StreamingArrayHandler(jax_array_handlers.ArrayHandler):
     self.stats.add(nbytes)
     if self._progress is not None:
       self._progress.update(self.stats.bytes_written)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+  """One array's write plan: what to slice, and the TensorStore spec."""
+
+  arr: jax.Array
+  rslices: Any
+  local_shape: tuple[int, ...]
+  chunk: tuple[int, ...]
+  itemsize: int
+  spec: Any
+  tspec: dict[str, Any]
 
 
 def _with_chunk_shape(tspec: dict[str, Any], chunk: tuple[int, ...]) -> dict[str, Any]:

@@ -1,0 +1,112 @@
+"""Budget parsing and the host-memory probe (cgroup files faked)."""
+
+import numpy as np
+import pytest
+
+from kd_ckpt import budget
+from kd_ckpt import hostmem
+
+GiB = 1 << 30
+
+
+@pytest.mark.parametrize('text,expected', [
+    ('512MiB', 512 << 20), ('8GB', 8 * 10**9), ('1.5GiB', int(1.5 * GiB)),
+    ('100', 100), (' 2 gib ', 2 * GiB), (4096, 4096),
+])
+def test_parse_bytes(text, expected):
+  assert budget.parse(text).bytes == expected
+
+
+def test_parse_fraction_and_auto():
+  assert budget.parse(0.25).fraction == 0.25
+  assert budget.parse('auto').fraction == budget.AUTO_FRACTION
+
+
+@pytest.mark.parametrize('bad', [0, -5, '0MiB', '-1GB', 'lots', '12 parsecs', 1.5, 0.0, True, None, [1]])
+def test_parse_rejects_with_a_fix(bad):
+  with pytest.raises(ValueError) as e:
+    budget.parse(bad)
+  assert repr(bad) in str(e.value) and '"auto"' in str(e.value)
+
+
+def _mem(total=16 * GiB, avail=8 * GiB, procs=1):
+  return hostmem.HostMemory(total_bytes=total, available_bytes=avail,
+                            rss_bytes=0, local_process_count=procs)
+
+
+def test_resolve_fraction_uses_per_process_share():
+  assert budget.resolve('auto', _mem(avail=8 * GiB, procs=2)) == 2 * GiB
+  assert budget.resolve(0.5, _mem(avail=8 * GiB)) == 4 * GiB
+
+
+def test_resolve_clamps_budget_above_memory(caplog):
+  assert budget.resolve('64GiB', _mem(total=16 * GiB, procs=2)) == 8 * GiB
+
+
+def _fake_cgroup_v2(tmp_path, limit, current, nested=None):
+  root = tmp_path / 'cg'
+  root.mkdir()
+  (root / 'cgroup.controllers').write_text('cpu memory\n')
+  (root / 'memory.max').write_text(limit)
+  (root / 'memory.current').write_text(str(current))
+  proc = tmp_path / 'cgroup'
+  proc.write_text('0::/\n')
+  if nested:
+    d = root / 'job'
+    d.mkdir()
+    (d / 'memory.max').write_text(nested)
+    (d / 'memory.current').write_text(str(current))
+    proc.write_text('0::/job\n')
+  return root, proc
+
+
+def test_cgroup_v2_limit(tmp_path):
+  root, proc = _fake_cgroup_v2(tmp_path, str(4 * GiB), GiB)
+  cg = hostmem.read_cgroup_memory(root, proc)
+  assert (cg.version, cg.limit_bytes, cg.usage_bytes) == (2, 4 * GiB, GiB)
+  mem = hostmem.probe(cgroup_root=root, proc_cgroup=proc, process_count=1)
+  assert mem.total_bytes == 4 * GiB
+  assert mem.available_bytes <= 3 * GiB
+
+
+def test_cgroup_v2_nested_tightest_wins(tmp_path):
+  root, proc = _fake_cgroup_v2(tmp_path, 'max', GiB, nested=str(2 * GiB))
+  assert hostmem.read_cgroup_memory(root, proc).limit_bytes == 2 * GiB
+
+
+def test_cgroup_v2_unlimited(tmp_path):
+  root, proc = _fake_cgroup_v2(tmp_path, 'max', GiB)
+  assert hostmem.read_cgroup_memory(root, proc).limit_bytes is None
+
+
+def test_cgroup_v1_limit(tmp_path):
+  root = tmp_path / 'cg'
+  (root / 'memory').mkdir(parents=True)
+  (root / 'memory' / 'memory.limit_in_bytes').write_text(str(3 * GiB))
+  (root / 'memory' / 'memory.usage_in_bytes').write_text(str(GiB))
+  proc = tmp_path / 'cgroup'
+  proc.write_text('5:memory:/\n0::/\n')
+  cg = hostmem.read_cgroup_memory(root, proc)
+  assert (cg.version, cg.limit_bytes) == (1, 3 * GiB)
+  # v1 reports "no limit" as a huge number.
+  (root / 'memory' / 'memory.limit_in_bytes').write_text(str(2**63 - 4096))
+  assert hostmem.read_cgroup_memory(root, proc).limit_bytes is None
+
+
+def test_no_cgroup(tmp_path):
+  assert hostmem.read_cgroup_memory(tmp_path / 'none', tmp_path / 'none') is None
+
+
+def test_peak_rss_sees_an_allocation():
+  hostmem.release_free_memory()
+  with hostmem.PeakRss() as peak:
+    a = np.ones(200 << 20, dtype=np.uint8)  # touched: resident
+    del a
+  assert peak.exact
+  assert peak.extra_bytes >= 190 << 20
+  assert peak.retained_bytes < 100 << 20
+
+
+def test_format_bytes():
+  assert hostmem.format_bytes(3 * GiB) == '3.00 GiB'
+  assert hostmem.format_bytes(10) == '10 B'

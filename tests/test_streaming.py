@@ -1,0 +1,160 @@
+"""The streaming save: a hard host-RAM budget, stock-Orbax-readable output."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import kd_ckpt
+from kd_ckpt import streaming
+from tests import states
+
+MiB = 1 << 20
+GB = 10**9
+
+
+# --- slicing arithmetic -------------------------------------------------------
+
+@pytest.mark.parametrize('shape,itemsize,slice_bytes', [
+    ((1024, 1024), 4, 1 * MiB), ((1000, 3, 7), 2, 4096), ((97,), 4, 64),
+    ((8, 4096, 4096), 1, 1 * MiB), ((5, 5), 4, 10 * MiB), ((), 4, 1024),
+])
+def test_slices_tile_the_shard_in_whole_chunks(shape, itemsize, slice_bytes):
+  chunk = streaming.slice_chunk_shape(shape, itemsize, slice_bytes)
+  assert all(n % c == 0 for n, c in zip(shape, chunk))  # chunks never straddle shards
+  assert np.prod(chunk, dtype=np.int64) * itemsize <= max(slice_bytes, itemsize)
+  seen = np.zeros(shape, dtype=np.int32)
+  for box in streaming.slice_boxes(shape, chunk, itemsize, slice_bytes):
+    seen[box] += 1
+    sizes = [b.stop - b.start for b in box]
+    assert np.prod(sizes, dtype=np.int64) * itemsize <= max(slice_bytes, np.prod(chunk) * itemsize)
+    assert all(b.start % c == 0 for b, c in zip(box, chunk))
+  assert (seen == 1).all()
+
+
+# --- the budget, measured in a fresh process -----------------------------------
+
+def _limit(budget):
+  return budget * 1.10 + 32 * MiB
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('budget', [64 * MiB, 256 * MiB])
+@pytest.mark.parametrize('state,total', [
+    ('one_replicated', int(1.5 * GB)),   # one leaf 23x the smallest budget
+    ('mixed', 1 * GB),                   # 16 leaves, 4 layouts, 3 dtypes
+])
+def test_streaming_save_holds_the_budget(tmp_path, state, total, budget):
+  r = states.run_worker('save', str(tmp_path / 'c'), state, str(total), 'streaming', str(budget))
+  print(f"{state} {budget >> 20} MiB: peak {r['peak_extra_bytes'] / MiB:.0f} MiB,"
+        f" {r['seconds']:.1f} s")
+  assert r['strategy'] == 'streaming'
+  assert r['peak_extra_bytes'] <= _limit(budget), r
+  assert r['bytes_written'] >= total * 0.99
+
+
+@pytest.mark.slow
+def test_streaming_restore_holds_the_budget(tmp_path):
+  d = str(tmp_path / 'c')
+  states.run_worker('save', d, 'mixed', str(256 * MiB), 'streaming', str(64 * MiB))
+  r = states.run_worker('restore', d, 'mixed', str(256 * MiB), str(128 * MiB))
+  extra = r['peak_extra_bytes'] - r['restored_bytes']
+  print(f"restore: peak {r['peak_extra_bytes'] / MiB:.0f} MiB,"
+        f" restored {r['restored_bytes'] / MiB:.0f} MiB, beyond: {extra / MiB:.0f} MiB")
+  assert extra <= _limit(128 * MiB), r
+
+
+# --- format: stock Orbax reads it, bit-exact -----------------------------------
+
+def _tree():
+  m1, m2 = states.meshes()
+  return {
+      'big': states.filled((512, 256), states.NS(m1, states.P())),
+      'sharded': states.filled((64, 96), states.NS(m2, states.P('a', 'b')), 'bfloat16'),
+      'ints': states.filled((33, 5), states.NS(m1, states.P()), 'int8'),
+      'flags': jax.device_put(np.array([True, False, True]), states.NS(m1, states.P())),
+      'scalar': jax.numpy.float32(3.5),
+      'empty': jax.numpy.zeros((0, 4)),
+      'step': 7,
+      'host': np.arange(6, dtype=np.float64).reshape(2, 3),
+  }
+
+
+def _abstract(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, 'sharding', None)) if isinstance(x, jax.Array) else x, tree)
+
+
+def _assert_equal(a, b):
+  for k in a:
+    x, y = np.asarray(a[k]), np.asarray(b[k])
+    assert x.dtype == y.dtype and x.shape == y.shape, k
+    assert x.tobytes() == y.tobytes(), k  # bit-exact
+
+
+def test_streaming_output_is_a_stock_orbax_checkpoint(tmp_path):
+  tree = _tree()
+  tree.pop('empty')  # Orbax itself refuses zero-size arrays; see below.
+  d = tmp_path / 'c'
+  report = kd_ckpt.save(d, tree, host_ram_budget=64 * MiB, strategy='streaming')
+  assert report.strategy == 'streaming'
+  back = ocp.StandardCheckpointer().restore(d, _abstract(tree))
+  _assert_equal(tree, back)
+  # Same files as a stock Orbax save of the same tree.
+  ref = ocp.StandardCheckpointer()
+  ref.save(tmp_path / 'ref', tree)
+  ref.wait_until_finished()
+  ours = {p for p in os.listdir(d) if p != kd_ckpt.report.REPORT_FILE_NAME}
+  assert ours == set(os.listdir(tmp_path / 'ref'))
+  meta_ours = json.loads((d / '_METADATA').read_text())
+  meta_ref = json.loads((tmp_path / 'ref' / '_METADATA').read_text())
+  assert meta_ours['tree_metadata'].keys() == meta_ref['tree_metadata'].keys()
+  for k, v in meta_ref['tree_metadata'].items():
+    assert meta_ours['tree_metadata'][k]['value_metadata']['value_type'] == v['value_metadata']['value_type'], k
+
+
+def test_zero_size_arrays_fail_like_orbax(tmp_path):
+  tree = {'empty': jax.numpy.zeros((0, 4))}
+  with pytest.raises(ValueError, match='zero size'):
+    ocp.StandardCheckpointer().save(tmp_path / 'ref', tree)
+  with pytest.raises(ValueError, match='zero size'):
+    kd_ckpt.save(tmp_path / 'c', tree, host_ram_budget=64 * MiB, strategy='streaming')
+
+
+def test_format_guard_orbax_chunking_matches_ours(tmp_path):
+  """Fails loudly if Orbax's on-disk array spec stops matching what we patch."""
+  tree = {'w': states.filled((256, 64), states.NS(states.meshes()[0], states.P('x')))}
+  kd_ckpt.save(tmp_path / 'c', tree, host_ram_budget=64 * MiB, strategy='streaming')
+  import tensorstore as ts
+  from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+  kv = ts_utils.build_kvstore_tspec(str(tmp_path / 'c'), name='w', use_ocdbt=True)
+  t = ts.open({'driver': 'zarr', 'kvstore': kv}, open=True,
+              context=ts_utils.get_ts_context(use_ocdbt=True)).result()
+  assert t.dtype.numpy_dtype == np.float32 and tuple(t.shape) == (256, 64)
+  assert np.array_equal(t.read().result(), np.asarray(tree['w']))
+
+
+def test_restore_into_a_different_sharding(tmp_path):
+  tree = _tree()
+  tree.pop('empty')
+  d = tmp_path / 'c'
+  kd_ckpt.save(d, tree, host_ram_budget=64 * MiB, strategy='streaming')
+  m1, m2 = states.meshes()
+  target = _abstract(tree)
+  target['big'] = jax.ShapeDtypeStruct((512, 256), 'float32', sharding=states.NS(m2, states.P('b', 'a')))
+  target['sharded'] = jax.ShapeDtypeStruct((64, 96), 'bfloat16', sharding=states.NS(m1, states.P()))
+  back = kd_ckpt.restore(d, target, host_ram_budget=64 * MiB)
+  assert back['big'].sharding == target['big'].sharding
+  assert back['sharded'].sharding == target['sharded'].sharding
+  _assert_equal(tree, back)
+
+
+def test_orbax_checkpoint_restores_with_kd_ckpt(tmp_path):
+  tree = {k: v for k, v in _tree().items() if isinstance(v, jax.Array) and v.size}
+  ref = ocp.StandardCheckpointer()
+  ref.save(tmp_path / 'ref', tree)
+  ref.wait_until_finished()
+  back = kd_ckpt.restore(tmp_path / 'ref', _abstract(tree), host_ram_budget=64 * MiB)
+  _assert_equal(tree, back)
