@@ -41,6 +41,8 @@ import traceback
 import typing
 from typing import Any
 
+from kd_ckpt import budget as budget_lib
+from kd_ckpt import estimate as estimate_lib
 from kd_ckpt import hostmem
 from kd_ckpt import plan as plan_lib
 from kd_ckpt import report as report_lib
@@ -61,7 +63,8 @@ _ABSTRACT_DTYPES = (
     ('number', 'float32'),
 )
 
-_STEP_DIR_RE = re.compile(r'^ckpt_(\d+)$')
+# Kauldron's `ckpt_<N>`, or a bare `<N>` (one kd_ckpt.save per step).
+_STEP_DIR_RE = re.compile(r'^(?:ckpt_)?(\d+)$')
 
 
 _BATCH_SOURCES = {
@@ -153,6 +156,25 @@ def _parser() -> argparse.ArgumentParser:
           ' --batch-spec=input=int32[16,512]'
       ),
   )
+  plan.add_argument(
+      '--platform',
+      choices=('cpu', 'gpu', 'tpu'),
+      default=None,
+      help=(
+          'plan for this accelerator rather than the local JAX backend (e.g.'
+          ' plan a GPU job on a CPU machine: device->host copies are free'
+          ' only on CPU); pair it with an explicit --host-ram-budget'
+      ),
+  )
+  plan.add_argument(
+      '--num-devices',
+      type=int,
+      default=None,
+      help=(
+          'shape-evaluate with N local devices (fake CPU devices, as the'
+          ' tests do) to see shardings as on an N-accelerator host'
+      ),
+  )
   plan.add_argument('--json', action='store_true', help='print JSON')
   plan.add_argument(
       '--debug', action='store_true', help='show tracebacks of config errors'
@@ -210,6 +232,8 @@ def _plan(args: argparse.Namespace, cfg_args: list[str]) -> int:
       plan_lib.check_strategy(args.strategy)
   except ValueError as e:
     raise CliError(str(e)) from e
+  if args.num_devices is not None:
+    _fake_cpu_devices(args.num_devices)
 
   with tempfile.TemporaryDirectory(prefix='kd_ckpt_plan_') as tmp_workdir:
     with _config_errors(args.debug, 'loading the config'):
@@ -234,7 +258,14 @@ def _plan(args: argparse.Namespace, cfg_args: list[str]) -> int:
   if strategy is None:
     strategy = getattr(ckpt, 'strategy', 'auto')
   try:
-    plan = kd_ckpt.plan_save(state, host_ram_budget=budget, strategy=strategy)
+    # `kd_ckpt.plan_save`, with the platform as a choice.
+    spec = budget_lib.parse(budget)
+    budget_bytes = budget_lib.resolve(spec, hostmem.probe())
+    estimate = estimate_lib.estimate_tree(state, platform=args.platform)
+    plan = plan_lib.plan_from_estimate(
+        estimate, budget_bytes=budget_bytes, budget_text=spec.text,
+        strategy=strategy,
+    )
   except kd_ckpt.BudgetTooSmallError as e:
     print(f'kd_ckpt plan: {e}', file=sys.stderr)
     return 1
@@ -253,6 +284,7 @@ def _plan(args: argparse.Namespace, cfg_args: list[str]) -> int:
         'batch_spec': batch,
         'batch_spec_from': batch_source,
         'num_devices': jax.device_count(),
+        'backend': jax.default_backend(),
     }
     print(json.dumps(out, indent=2))
   else:
@@ -263,10 +295,37 @@ def _plan(args: argparse.Namespace, cfg_args: list[str]) -> int:
         + ', '.join(f'{k}={v}' for k, v in batch.items())
         + f'  (from {_BATCH_SOURCES[batch_source]})'
     )
-    print(f'devices       {jax.device_count()} ({jax.default_backend()})')
+    print(
+        f'devices       {jax.device_count()} ({jax.default_backend()});'
+        f' planned for {plan.platform}'
+    )
     print()
     print(plan)
   return 0
+
+
+def _fake_cpu_devices(num_devices: int) -> None:
+  """Asks XLA for `num_devices` CPU devices; only before JAX starts."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+
+  if num_devices < 1:
+    raise CliError(f'--num-devices={num_devices}: needs at least 1.')
+  if xla_bridge.backends_are_initialized():
+    if jax.device_count() != num_devices:
+      raise CliError(
+          f'--num-devices={num_devices}: JAX already runs with'
+          f' {jax.device_count()} devices in this process; set XLA_FLAGS='
+          f'--xla_force_host_platform_device_count={num_devices} instead.'
+      )
+    return
+  flags = [
+      f for f in os.environ.get('XLA_FLAGS', '').split()
+      if not f.startswith('--xla_force_host_platform_device_count')
+  ]
+  flags.append(f'--xla_force_host_platform_device_count={num_devices}')
+  os.environ['XLA_FLAGS'] = ' '.join(flags)
+  jax.config.update('jax_platforms', 'cpu')
 
 
 @contextlib.contextmanager
@@ -568,24 +627,30 @@ def find_checkpoint(directory: str | os.PathLike[str]) -> tuple[pathlib.Path, pa
   if not path.is_dir():
     raise CliError(f'no such directory: {os.fspath(directory)!r}')
   if (path / '_METADATA').is_file():
-    step_dir = path.parent if _is_step_dir(path.parent) else None
-    return path, step_dir
+    if _is_step_dir(path.parent):
+      return path, path.parent
+    return path, (path if _STEP_DIR_RE.match(path.name) else None)
   if _is_step_dir(path):
     return path / 'default', path
   if (path / 'checkpoints').is_dir():
     path = path / 'checkpoints'
+  # Finished steps only: Orbax renames `<name>.orbax-checkpoint-tmp*` at the end.
   steps = sorted(
       (int(m.group(1)), p)
       for p in path.iterdir()
-      if (m := _STEP_DIR_RE.match(p.name)) and _is_step_dir(p)
+      if (m := _STEP_DIR_RE.match(p.name))
+      and (_is_step_dir(p) or (p / '_METADATA').is_file())
   )
   if steps:
     step_dir = steps[-1][1]
-    return step_dir / 'default', step_dir
+    if _is_step_dir(step_dir):
+      return step_dir / 'default', step_dir
+    return step_dir, step_dir
   raise CliError(
       f'no checkpoint in {os.fspath(directory)!r}: expected a PyTree'
       ' checkpoint (with _METADATA), a Kauldron step (ckpt_N/default/), a'
-      ' checkpoints/ folder or a workdir holding ckpt_N steps.'
+      ' checkpoints/ folder, a workdir holding ckpt_N steps, or a folder of'
+      ' step-numbered checkpoints (e.g. kd_ckpt.save(f"{root}/{step}", ...)).'
   )
 
 
@@ -648,9 +713,8 @@ def inspect_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any]:
   item_dir, step_dir = find_checkpoint(directory)
   leaves = read_leaves(item_dir)
   report = read_report(item_dir, step_dir)
-  step = None
-  if step_dir is not None:
-    step = int(_STEP_DIR_RE.match(step_dir.name).group(1)) if _STEP_DIR_RE.match(step_dir.name) else None
+  m = _STEP_DIR_RE.match(step_dir.name) if step_dir is not None else None
+  step = int(m.group(1)) if m else None
   return {
       'directory': os.fspath(item_dir),
       'step_directory': os.fspath(step_dir) if step_dir is not None else None,

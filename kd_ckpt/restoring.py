@@ -112,6 +112,7 @@ def restore_tree(directory, target: Any, *, budget_bytes: int) -> Any:
       return jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding)
 
     target = jax.tree.map(to_struct, tree_meta)
+  hostmem.use_mmap_for_large_buffers()  # see streaming.StreamingArrayHandler
   flat, treedef = jax.tree_util.tree_flatten_with_path(target)
   if not all(isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) for _, x in flat):
     # Host values (numpy arrays, scalars): Orbax's own restore, which reads

@@ -18,18 +18,22 @@ import dataclasses
 from kd_ckpt import estimate as estimate_lib
 
 MiB = 1 << 20
-# Measured floor of the streaming save beyond its slices (arenas, OCDBT
-# manifest and b-tree buffers, Python objects), 2 cores, tensorstore 0.1.86.
-FLOOR_BYTES = 16 * MiB
-# A slice costs its host buffer plus the encoded copy TensorStore holds until
-# the chunk is durable.
-COST_PER_SLICE_BYTE = 1.0 + estimate_lib.ENCODE_FACTOR
+# Measured floor of the streaming save beyond its slices (thread arenas, the
+# end-of-save OCDBT merge and metadata writes, about 25 MiB for 1 GB;
+# OCDBT manifest and node cache, Python objects), 2 cores, tensorstore 0.1.86.
+FLOOR_BYTES = 40 * MiB
+# A slice in flight is held three times until its commit is durable: the host
+# buffer (TensorStore references it), the zstd-encoded chunk, and OCDBT's
+# data-file buffer that concatenates the encoded chunks of one commit.
+COST_PER_SLICE_BYTE = 1.0 + 2 * estimate_lib.ENCODE_FACTOR
 MIN_SLICE_BYTES = 1 * MiB
 # Bigger slices stop paying off: 64 MiB writes already saturate a local disk
 # and keep per-write overhead under 1%.
 MAX_SLICE_BYTES = 64 * MiB
-# Eight in flight: the device->host copy of the next slice overlaps the
-# encode and write of the others, and OCDBT commits them together.
+# Each OCDBT commit costs ~0.1 s here whatever its size, and writes in flight
+# together share a commit: keep several in flight, but not so many that each
+# slice gets tiny.
+TARGET_SLICES_IN_FLIGHT = 4
 MAX_SLICES_IN_FLIGHT = 8
 MIN_BUDGET_BYTES = FLOOR_BYTES + int(2 * MIN_SLICE_BYTES * COST_PER_SLICE_BYTE) + MiB
 
@@ -46,18 +50,16 @@ class StreamingLayout:
 
 
 def choose(budget_bytes: int) -> StreamingLayout:
-  """Up to MAX_SLICES_IN_FLIGHT slices, each as large as the budget allows.
-
-  Depth beats slice size: OCDBT folds writes that are in flight together
-  into one commit, and a commit costs about as much as a 10 MiB write here,
-  so many moderate slices in flight write faster than two big ones.
-  """
+  """Slices of usable / (TARGET_SLICES_IN_FLIGHT x cost), then as many in flight as fit."""
   usable = budget_bytes - FLOOR_BYTES
-  for in_flight in range(MAX_SLICES_IN_FLIGHT, 1, -1):
-    slice_bytes = int(usable / (in_flight * COST_PER_SLICE_BYTE)) // MiB * MiB
-    if slice_bytes >= MIN_SLICE_BYTES:
-      return StreamingLayout(min(MAX_SLICE_BYTES, slice_bytes), in_flight, True)
-  return StreamingLayout(MIN_SLICE_BYTES, 2, feasible=False)
+  per_slice = usable / (TARGET_SLICES_IN_FLIGHT * COST_PER_SLICE_BYTE)
+  slice_bytes = min(MAX_SLICE_BYTES, int(per_slice) // MiB * MiB)
+  if slice_bytes < MIN_SLICE_BYTES:
+    slice_bytes = MIN_SLICE_BYTES
+  in_flight = min(MAX_SLICES_IN_FLIGHT, int(usable / (slice_bytes * COST_PER_SLICE_BYTE)))
+  if in_flight < 2:
+    return StreamingLayout(MIN_SLICE_BYTES, 2, feasible=False)
+  return StreamingLayout(slice_bytes, in_flight, feasible=True)
 
 
 def predict_peak(est: estimate_lib.TreeEstimate, layout: StreamingLayout) -> int:

@@ -23,6 +23,8 @@ from orbax.checkpoint._src.handlers import pytree_checkpoint_handler
 from orbax.checkpoint._src.metadata import array_metadata_store as array_metadata_store_lib
 from orbax.checkpoint._src.serialization import type_handler_registry as registry_lib
 from orbax.checkpoint._src.serialization import type_handlers
+from orbax.checkpoint._src.serialization import types
+import tensorstore as ts
 
 from kd_ckpt import hostmem
 from kd_ckpt import plan as plan_lib
@@ -62,6 +64,32 @@ def array_handler_for(plan: plan_lib.SavePlan, stats: streaming.StreamStats | No
   )
 
 
+# Orbax gives OCDBT a 100 MB B-tree node cache.  A streaming save commits
+# every few slices, and each commit leaves new node versions in that cache:
+# measured +60 MiB over a 1 GB save.  Nothing is read back during a save, so
+# a small cache costs nothing.
+STREAMING_OCDBT_CACHE_BYTES = 8 * 10**6
+
+
+class _StreamingPyTreeHandler(base_pytree_checkpoint_handler.BasePyTreeCheckpointHandler):
+  """Orbax's PyTree handler, with a TensorStore context sized for streaming."""
+
+  def _get_param_infos(self, item, directory, **kwargs):
+    infos = super()._get_param_infos(item, directory, **kwargs)
+    if not kwargs.get('use_ocdbt', True):
+      return infos
+    # One context for every leaf: they share one OCDBT database, which must
+    # have one writer.
+    context = ts.Context({
+        'file_io_concurrency': {'limit': 128},
+        'cache_pool#ocdbt': {'total_bytes_limit': STREAMING_OCDBT_CACHE_BYTES},
+    })
+    for info in jax.tree_util.tree_leaves(infos, is_leaf=lambda x: isinstance(x, types.ParamInfo)):
+      if isinstance(info, types.ParamInfo):
+        info.ts_context = context
+    return infos
+
+
 def pytree_handler_for(
     plan: plan_lib.SavePlan, stats: streaming.StreamStats | None = None
 ) -> ocp.PyTreeCheckpointHandler:
@@ -81,7 +109,14 @@ def pytree_handler_for(
       kwargs['is_prioritized_key_fn'] = lambda keypath: False
   else:
     kwargs.update(enable_pinned_host_transfer=False)
-  impl = base_pytree_checkpoint_handler.BasePyTreeCheckpointHandler(
+  cls = (_StreamingPyTreeHandler if plan.strategy == 'streaming'
+         else base_pytree_checkpoint_handler.BasePyTreeCheckpointHandler)
+  if plan.strategy == 'streaming':
+    # Post-merge validation re-opens every key of the merged database through
+    # a fresh context with a 100 MB node cache: measured +40 MiB at the end of
+    # a 1 GB save.  Each write was already confirmed durable.
+    kwargs['enable_post_merge_validation'] = False
+  impl = cls(
       use_ocdbt=USE_OCDBT,
       use_zarr3=USE_ZARR3,
       type_handler_registry=_registry(array_handler_for(plan, stats)),

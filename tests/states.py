@@ -57,7 +57,7 @@ def layout(name: str, total_bytes: int = 256 * MiB, n: int = 16):
   tree = {}
   for i in range(n):
     dt = dts[i % len(dts)]
-    rows = total_bytes // n // jnp.dtype(dt).itemsize // 1024
+    rows = total_bytes // n // jnp.dtype(dt).itemsize // 1024 // 8 * 8
     tree[f'l{i:02d}'] = filled((rows, 1024), shs[i % len(shs)], dt, i)
   return tree
 

@@ -21,10 +21,12 @@ GB = 10**9
 @pytest.mark.parametrize('shape,itemsize,slice_bytes', [
     ((1024, 1024), 4, 1 * MiB), ((1000, 3, 7), 2, 4096), ((97,), 4, 64),
     ((8, 4096, 4096), 1, 1 * MiB), ((5, 5), 4, 10 * MiB), ((), 4, 1024),
+    ((3814, 512), 4, 3 * MiB), ((3814, 512), 2, 1 * MiB), ((7, 1907), 4, 4096),
 ])
 def test_slices_tile_the_shard_in_whole_chunks(shape, itemsize, slice_bytes):
   chunk = streaming.slice_chunk_shape(shape, itemsize, slice_bytes)
   assert all(n % c == 0 for n, c in zip(shape, chunk))  # chunks never straddle shards
+  assert all(c >= 1 for c in chunk)
   assert np.prod(chunk, dtype=np.int64) * itemsize <= max(slice_bytes, itemsize)
   seen = np.zeros(shape, dtype=np.int32)
   for box in streaming.slice_boxes(shape, chunk, itemsize, slice_bytes):
