@@ -209,8 +209,11 @@ def _orbax_candidate(name, est, budget_bytes, settings_list) -> Candidate:
         save_concurrent_bytes=s.save_concurrent_bytes,
         save_device_host_concurrent_bytes=s.save_device_host_concurrent_bytes,
     )
-    # Prefer fewer bytes written by this host, then lower peak.
-    key = (cost.peak_bytes > budget_bytes, est.total_bytes(s.use_replica_parallel), cost.peak_bytes)
+    # Among variants that fit: fewest bytes written by this host (replica
+    # parallelism across hosts), then pinned-host staging (faster D2H), then
+    # the lowest peak.
+    key = (cost.peak_bytes > budget_bytes, est.total_bytes(s.use_replica_parallel),
+           not s.enable_pinned_host_transfer, cost.peak_bytes)
     if best is None or key < best[0]:
       best = (key, s, cost)
   _, s, cost = best

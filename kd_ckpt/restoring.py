@@ -107,6 +107,8 @@ def restore_tree(directory, target: Any, *, budget_bytes: int) -> Any:
 
     def to_struct(m):
       sharding = getattr(m, 'sharding', None)
+      if sharding is not None and not isinstance(sharding, jax.sharding.Sharding):
+        sharding = sharding.to_jax_sharding()  # Orbax's ShardingMetadata.
       if sharding is None:
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
       return jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding)

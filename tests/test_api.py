@@ -1,0 +1,138 @@
+"""kd_ckpt.save / restore / plan_save at the public entry points: bad input
+fails before anything is written, and nothing earlier is endangered."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import kd_ckpt
+from kd_ckpt import plan as plan_lib
+from kd_ckpt import streaming_layout
+from tests import states
+
+MiB = 1 << 20
+
+
+def _tree():
+  m1, _ = states.meshes()
+  return {'w': states.filled((256, 128), states.NS(m1, states.P('x'))),
+          'b': jnp.arange(8, dtype=jnp.float32)}
+
+
+def test_existing_directory_is_never_touched(tmp_path):
+  d = tmp_path / 'c'
+  d.mkdir()
+  (d / 'precious').write_text('earlier checkpoint')
+  with pytest.raises(FileExistsError, match='never overwrites'):
+    kd_ckpt.save(d, _tree())
+  assert os.listdir(d) == ['precious']
+
+
+@pytest.mark.parametrize('bad', [0, -1, 'much', 2.0])
+def test_bad_budget_fails_before_writing(tmp_path, bad):
+  with pytest.raises(ValueError, match='host_ram_budget'):
+    kd_ckpt.save(tmp_path / 'c', _tree(), host_ram_budget=bad)
+  assert not (tmp_path / 'c').exists()
+
+
+def test_unknown_strategy(tmp_path):
+  with pytest.raises(ValueError, match="strategy='fast'.*auto"):
+    kd_ckpt.save(tmp_path / 'c', _tree(), strategy='fast')
+  assert not (tmp_path / 'c').exists()
+
+
+def test_budget_no_strategy_can_meet(tmp_path):
+  with pytest.raises(kd_ckpt.BudgetTooSmallError, match='Raise host_ram_budget to at least'):
+    kd_ckpt.save(tmp_path / 'c', _tree(), host_ram_budget=4 * MiB, strategy='streaming')
+  assert not (tmp_path / 'c').exists()
+
+
+def test_deleted_array_fails_before_writing(tmp_path):
+  tree = _tree()
+  tree['w'].delete()
+  with pytest.raises(ValueError, match="'w'.*deleted"):
+    kd_ckpt.save(tmp_path / 'c', tree)
+  assert not (tmp_path / 'c').exists()
+
+
+def test_budget_above_memory_is_clamped():
+  plan = kd_ckpt.plan_save(_tree(), host_ram_budget='1000TiB')
+  assert plan.budget_bytes <= kd_ckpt.probe_host_memory().total_bytes
+
+
+@pytest.mark.parametrize('strategy', ['auto', 'orbax', 'streaming'])
+def test_roundtrip_each_strategy(tmp_path, strategy):
+  tree = _tree()
+  report = kd_ckpt.save(tmp_path / 'c', tree, host_ram_budget='256MiB', strategy=strategy)
+  assert report.strategy == (strategy if strategy != 'auto' else report.strategy)
+  assert report.bytes_written == 256 * 128 * 4 + 32
+  assert (tmp_path / 'c' / kd_ckpt.report.REPORT_FILE_NAME).exists()
+  assert 'measured peak extra RSS' in str(report)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+  for back in (kd_ckpt.restore(tmp_path / 'c', abstract),
+               ocp.StandardCheckpointer().restore(tmp_path / 'c', abstract)):
+    for k in tree:
+      assert np.asarray(back[k]).tobytes() == np.asarray(tree[k]).tobytes()
+
+
+def test_restore_without_target_uses_saved_shardings(tmp_path):
+  tree = _tree()
+  kd_ckpt.save(tmp_path / 'c', tree)
+  back = kd_ckpt.restore(tmp_path / 'c')
+  assert np.array_equal(np.asarray(back['w']), np.asarray(tree['w']))
+
+
+def test_missing_checkpoint(tmp_path):
+  with pytest.raises(FileNotFoundError, match='No checkpoint'):
+    kd_ckpt.restore(tmp_path / 'nope')
+
+
+# --- the policy --------------------------------------------------------------
+
+def _est(platform, total_mib=1024, layout='sharded'):
+  m1, _ = states.meshes()
+  spec = states.P('x') if layout == 'sharded' else states.P()
+  leaves = {f'l{i}': jax.ShapeDtypeStruct((total_mib * MiB // 16 // 4 // 1024, 1024), 'float32',
+                                          sharding=states.NS(m1, spec)) for i in range(16)}
+  return plan_lib.estimate_lib.estimate_tree(leaves, platform=platform)
+
+
+def test_policy_prefers_async_orbax_when_it_fits():
+  plan = plan_lib.plan_from_estimate(_est('gpu'), budget_bytes=8 << 30)
+  assert plan.strategy == 'orbax' and plan.orbax.use_async and plan.orbax.use_compression
+  assert plan.orbax.enable_pinned_host_transfer  # fits, so take the faster path
+
+
+def test_policy_drops_pinned_then_compression_then_streams():
+  est = _est('gpu')
+  no_pin = plan_lib.plan_from_estimate(est, budget_bytes=int(2.0 * 1024 * MiB))
+  assert no_pin.strategy == 'orbax' and not no_pin.orbax.enable_pinned_host_transfer
+  raw = plan_lib.plan_from_estimate(est, budget_bytes=int(1.1 * 1024 * MiB))
+  assert raw.strategy == 'orbax' and not raw.orbax.use_compression
+  small = plan_lib.plan_from_estimate(est, budget_bytes=256 * MiB)
+  assert small.strategy in ('orbax', 'streaming')
+  assert small.predicted_peak_bytes <= 256 * MiB
+  tiny = plan_lib.plan_from_estimate(est, budget_bytes=64 * MiB)
+  assert tiny.strategy == 'streaming'
+  assert tiny.predicted_peak_bytes <= 64 * MiB
+
+
+def test_policy_forced_strategies():
+  est = _est('gpu')
+  s = plan_lib.plan_from_estimate(est, budget_bytes=8 << 30, strategy='streaming')
+  assert s.strategy == 'streaming' and s.slice_bytes == streaming_layout.MAX_SLICE_BYTES
+  o = plan_lib.plan_from_estimate(est, budget_bytes=64 * MiB, strategy='orbax')
+  assert o.strategy == 'orbax' and not o.fits  # honoured, and it says so
+  assert 'no' in str(o)
+
+
+def test_plan_json_and_table():
+  plan = kd_ckpt.plan_save(_tree(), host_ram_budget='64MiB')
+  d = plan.to_json_dict()
+  assert d['total_bytes'] == 256 * 128 * 4 + 32 and d['num_leaves'] == 2
+  assert d['budget_bytes'] == 64 * MiB and d['strategy'] == plan.strategy
+  assert 'candidate' in str(plan) and 'streaming' in str(plan)
