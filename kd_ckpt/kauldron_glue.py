@@ -40,28 +40,63 @@ from kd_ckpt import report as report_lib
 from kd_ckpt import writer
 
 
+def _safe(handler):
+  """Our handler in place of a stock StandardCheckpointHandler."""
+  if type(handler) is ocp.StandardCheckpointHandler:  # pylint: disable=unidiomatic-typecheck
+    return writer.SafePyTreeHandler()
+  return handler
+
+
 class _SafeLazyManager(lazy_checkpoint_manager.LazyCheckpointManager):
   """Kauldron's lazy manager with our handler for every StandardSave item."""
 
   def _create_manager(self, state) -> None:
-    super()._create_manager(state)
-    handlers = self._item_handlers
-    if isinstance(handlers, dict) and any(
-        type(h) is ocp.StandardCheckpointHandler for h in handlers.values()  # pylint: disable=unidiomatic-typecheck
-    ):
-      swapped = {
-          k: writer.SafePyTreeHandler()
-          if type(h) is ocp.StandardCheckpointHandler  # pylint: disable=unidiomatic-typecheck
-          else h
-          for k, h in handlers.items()
-      }
-      object.__setattr__(self, '_item_handlers', swapped)
-      # Rebuild the Orbax manager with the swapped handlers.
-      object.__setattr__(self, '_mgr', None)
-      super()._create_manager(None)
+    if state is not None:
+      # Swap before Orbax's manager exists: one manager, our handlers.
+      handlers = state.__kd_ocp_handlers__()
+      if isinstance(handlers, dict):
+        handlers = {k: _safe(h) for k, h in handlers.items()}
+      else:
+        handlers = _safe(handlers)
+      object.__setattr__(self, '_item_handlers', handlers)
+    super()._create_manager(None)
+
+  def _convert(self, args, save: bool):
+    """Standard(Save|Restore) args -> ours, for the items we handle.
+
+    Orbax pairs each item's args type with its handler; the state's items
+    still speak Kauldron's `StandardSave`/`StandardRestore`.
+    """
+    safe = self.safe_handlers()
+    std, ours = ((ocp.args.StandardSave, writer.SafeSave) if save
+                 else (ocp.args.StandardRestore, writer.SafeRestore))
+
+    def one(a):
+      if type(a) is std:  # pylint: disable=unidiomatic-typecheck
+        return ours(**{f.name: getattr(a, f.name) for f in dataclasses.fields(a)})
+      return a
+
+    if isinstance(args, ocp.args.Composite):
+      return ocp.args.Composite(**{k: one(args[k]) if k in safe else args[k] for k in args.keys()})
+    return one(args) if safe else args
+
+  def save(self, state, *, step, force=False, metrics=None):
+    mgr = self._get_manager(state)
+    return mgr.save(
+        step, args=self._convert(state.__kd_ocp_save_args__(), save=True),
+        force=force, metrics=metrics,
+    )
+
+  def restore(self, state, *, step):
+    mgr = self._get_manager(state)
+    restored = mgr.restore(
+        step, args=self._convert(state.__kd_ocp_restore_args__(), save=False))
+    return state.__kd_ocp_restore_post__(restored)
 
   def safe_handlers(self) -> dict[str, writer.SafePyTreeHandler]:
     handlers = self._item_handlers
+    if isinstance(handlers, writer.SafePyTreeHandler):
+      return {'default': handlers}
     if not isinstance(handlers, dict):
       return {}
     return {k: h for k, h in handlers.items() if isinstance(h, writer.SafePyTreeHandler)}

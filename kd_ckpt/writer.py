@@ -141,6 +141,12 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     self.plan: plan_lib.SavePlan | None = None
     self.stats: streaming.StreamStats | None = None
 
+  @classmethod
+  def typestr(cls) -> str:
+    # Recorded in `_CHECKPOINT_METADATA`: name the stock handler, which reads
+    # these checkpoints as they are, so nothing ever needs kd_ckpt to load.
+    return ocp.StandardCheckpointHandler.typestr()
+
   def use_plan(self, plan: plan_lib.SavePlan | None) -> None:
     self.plan = plan
     if plan is None:
