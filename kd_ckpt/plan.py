@@ -98,7 +98,7 @@ class SavePlan:
     num_leaves: leaves in the tree.
     largest_leaf_bytes: the largest leaf (global).
     orbax: the chosen Orbax settings (None for streaming).
-    slice_bytes: streaming slice size (None for Orbax).
+    slice_bytes: streaming slice size; for Orbax saves, the chunk size.
     slices_in_flight: streaming pipeline depth (None for Orbax).
     candidates: every strategy considered, with its prediction.
     estimate: the per-leaf estimate the plan was made from.
@@ -305,7 +305,9 @@ def plan_from_estimate(
       num_leaves=est.num_leaves,
       largest_leaf_bytes=max((l.global_bytes for l in est.leaves), default=0),
       orbax=choice.orbax,
-      slice_bytes=choice.slice_bytes,
+      # Orbax saves use the streaming slice size as their chunk size, so the
+      # checkpoint restores slice by slice within the same budget.
+      slice_bytes=choice.slice_bytes or streaming_layout.choose(budget_bytes).slice_bytes,
       slices_in_flight=choice.slices_in_flight,
       candidates=tuple(cands),
       estimate=est,
@@ -319,6 +321,7 @@ def plan_save(
     host_ram_budget: budget_lib.BudgetLike = 'auto',
     strategy: str = 'auto',
     memory: hostmem.HostMemory | None = None,
+    platform: str | None = None,
 ) -> SavePlan:
   """Plans a save of `tree` within `host_ram_budget`, copying nothing.
 
@@ -328,6 +331,10 @@ def plan_save(
     host_ram_budget: extra host RAM the save may add; see `kd_ckpt.budget`.
     strategy: 'auto', 'orbax' or 'streaming'.
     memory: a host-memory probe to plan against (default: probe now).
+    platform: plan as if saving from this JAX backend ('gpu', 'tpu', 'cpu';
+      default: the current one).  On the CPU backend device memory is host
+      memory and Orbax's device->host copy is free; plan with 'gpu' from a
+      CPU machine to see what a GPU host would pay.
 
   Returns:
     A `SavePlan`; `print(plan)` shows the table.
@@ -340,7 +347,7 @@ def plan_save(
   spec = budget_lib.parse(host_ram_budget)
   mem = memory if memory is not None else hostmem.probe()
   budget_bytes = budget_lib.resolve(spec, mem)
-  est = estimate_lib.estimate_tree(tree)
+  est = estimate_lib.estimate_tree(tree, platform=platform)
   return plan_from_estimate(
       est, budget_bytes=budget_bytes, budget_text=spec.text, strategy=strategy
   )

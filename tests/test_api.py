@@ -136,3 +136,18 @@ def test_plan_json_and_table():
   assert d['total_bytes'] == 256 * 128 * 4 + 32 and d['num_leaves'] == 2
   assert d['budget_bytes'] == 64 * MiB and d['strategy'] == plan.strategy
   assert 'candidate' in str(plan) and 'streaming' in str(plan)
+
+
+def test_orbax_strategy_writes_restore_sized_chunks(tmp_path):
+  """An Orbax-path checkpoint must restore within the budget too."""
+  import tensorstore as ts
+  from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
+  m1, _ = states.meshes()
+  tree = {'w': states.filled((4096, 1024), states.NS(m1, states.P()))}  # 16 MiB
+  plan = kd_ckpt.plan_save(tree, host_ram_budget=64 * MiB, strategy='orbax')
+  kd_ckpt.save(tmp_path / 'c', tree, host_ram_budget=64 * MiB, strategy='orbax')
+  kv = ts_utils.build_kvstore_tspec(str(tmp_path / 'c'), name='w', use_ocdbt=True)
+  t = ts.open({'driver': 'zarr', 'kvstore': kv}, open=True,
+              context=ts_utils.get_ts_context(use_ocdbt=True)).result()
+  chunk_bytes = np.prod(t.chunk_layout.read_chunk.shape) * 4
+  assert chunk_bytes <= plan.slice_bytes < 16 * MiB
