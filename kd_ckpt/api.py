@@ -83,7 +83,7 @@ def save(
   report = report_lib.SaveReport(
       directory=os.fspath(directory),
       strategy=plan.strategy,
-      settings=_settings_text(plan),
+      settings=plan.settings_text(),
       budget_bytes=plan.budget_bytes,
       predicted_peak_bytes=plan.predicted_peak_bytes,
       peak_extra_bytes=peak.extra_bytes,
@@ -96,15 +96,6 @@ def save(
     report.write_json(path / report_lib.REPORT_FILE_NAME)
   logging.info('kd_ckpt saved %s: %s', os.fspath(directory), report.summary())
   return report
-
-
-def _settings_text(plan: plan_lib.SavePlan) -> str:
-  if plan.orbax is not None:
-    return plan.orbax.short()
-  return (
-      f'slices of {hostmem.format_bytes(plan.slice_bytes or 0)},'
-      f' {plan.slices_in_flight} in flight'
-  )
 
 
 def restore(

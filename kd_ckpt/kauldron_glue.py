@@ -168,26 +168,11 @@ class SafeCheckpointer(kd.ckpts.Checkpointer):
     mgr.wait_until_finished()
     self._write_pending_report()
     items = self._items_to_plan(state)
-    mem = hostmem.probe()
-    budget_bytes = budget_lib.resolve(self.host_ram_budget, mem)
-    spec = budget_lib.parse(self.host_ram_budget)
-    plans = {}
-    handlers = mgr.safe_handlers()
-    est_all = [plan_lib.estimate_lib.estimate_tree(t) for t in items.values()]
     # One plan for all items together: they are saved in the same call.
-    combined = plan_lib.estimate_lib.TreeEstimate(
-        leaves=tuple(l for e in est_all for l in e.leaves),
-        platform=jax.default_backend(),
-        process_index=jax.process_index(),
-        process_count=jax.process_count(),
-    )
-    plan = plan_lib.plan_from_estimate(
-        combined, budget_bytes=budget_bytes, budget_text=spec.text,
-        strategy=self.strategy,
-    )
-    for k, h in handlers.items():
+    plan = plan_lib.plan_save(
+        items, host_ram_budget=self.host_ram_budget, strategy=self.strategy)
+    for h in mgr.safe_handlers().values():
       h.use_plan(plan)
-      plans[k] = plan
     logging.info('kd_ckpt step %d: %s', step, plan.summary())
 
     hostmem.release_free_memory()
@@ -202,9 +187,7 @@ class SafeCheckpointer(kd.ckpts.Checkpointer):
     report = report_lib.SaveReport(
         directory=str(self._step_dir(step)),
         strategy=plan.strategy,
-        settings=(plan.orbax.short() if plan.orbax else
-                  f'slices of {hostmem.format_bytes(plan.slice_bytes or 0)},'
-                  f' {plan.slices_in_flight} in flight'),
+        settings=plan.settings_text(),
         budget_bytes=plan.budget_bytes,
         predicted_peak_bytes=plan.predicted_peak_bytes,
         peak_extra_bytes=peak.extra_bytes,

@@ -158,13 +158,16 @@ class SavePlan:
   def to_json(self) -> str:
     return json.dumps(self.to_json_dict(), indent=2)
 
+  def settings_text(self) -> str:
+    """The chosen Orbax settings or streaming layout, short."""
+    if self.orbax is not None:
+      return self.orbax.short()
+    return (f'slices of {hostmem.format_bytes(self.slice_bytes or 0)},'
+            f' {self.slices_in_flight} in flight')
+
   def summary(self) -> str:
     """One line, for logs."""
-    how = (
-        self.orbax.short() if self.orbax
-        else f'slices of {hostmem.format_bytes(self.slice_bytes or 0)}'
-        f' x{self.slices_in_flight}'
-    )
+    how = self.settings_text()
     return (
         f'strategy={self.strategy} ({how}) predicted peak'
         f' {hostmem.format_bytes(self.predicted_peak_bytes)} of budget'
