@@ -41,8 +41,6 @@ import traceback
 import typing
 from typing import Any
 
-from kd_ckpt import budget as budget_lib
-from kd_ckpt import estimate as estimate_lib
 from kd_ckpt import hostmem
 from kd_ckpt import plan as plan_lib
 from kd_ckpt import report as report_lib
@@ -258,13 +256,9 @@ def _plan(args: argparse.Namespace, cfg_args: list[str]) -> int:
   if strategy is None:
     strategy = getattr(ckpt, 'strategy', 'auto')
   try:
-    # `kd_ckpt.plan_save`, with the platform as a choice.
-    spec = budget_lib.parse(budget)
-    budget_bytes = budget_lib.resolve(spec, hostmem.probe())
-    estimate = estimate_lib.estimate_tree(state, platform=args.platform)
-    plan = plan_lib.plan_from_estimate(
-        estimate, budget_bytes=budget_bytes, budget_text=spec.text,
-        strategy=strategy,
+    plan = kd_ckpt.plan_save(
+        state, host_ram_budget=budget, strategy=strategy,
+        platform=args.platform,
     )
   except kd_ckpt.BudgetTooSmallError as e:
     print(f'kd_ckpt plan: {e}', file=sys.stderr)

@@ -98,7 +98,7 @@ class SavePlan:
     num_leaves: leaves in the tree.
     largest_leaf_bytes: the largest leaf (global).
     orbax: the chosen Orbax settings (None for streaming).
-    slice_bytes: streaming slice size; for Orbax saves, the chunk size.
+    slice_bytes: streaming slice size (None for Orbax).
     slices_in_flight: streaming pipeline depth (None for Orbax).
     candidates: every strategy considered, with its prediction.
     estimate: the per-leaf estimate the plan was made from.
@@ -222,8 +222,25 @@ def _orbax_candidate(name, est, budget_bytes, settings_list) -> Candidate:
   _, s, cost = best
   return Candidate(
       name=name, strategy='orbax', predicted_peak_bytes=cost.peak_bytes,
-      fits=cost.peak_bytes <= budget_bytes, orbax=s,
+      fits=cost.peak_bytes <= budget_bytes and restorable_within(est, s, budget_bytes),
+      orbax=s,
   )
+
+
+def restorable_within(est, s: OrbaxSettings, budget_bytes: int) -> bool:
+  """Whether an Orbax-written checkpoint can be restored within the budget.
+
+  Orbax stores one zarr chunk per saved shard (or replica-parallel part),
+  and reading any part of a chunk decodes all of it: the compressed and the
+  decoded chunk are both in memory.  Smaller chunks (`SaveArgs.chunk_byte_size`)
+  would fix that, but inside Orbax's single save transaction they cost a full
+  extra copy of the state (measured 310 MiB for a 512 MiB state), so a state
+  with shards this large goes to the streaming writer instead.
+  """
+  unit = max((l.shard_bytes // l.num_replicas
+              if s.use_replica_parallel and l.replica_parallel_applies
+              else l.shard_bytes for l in est.leaves), default=0)
+  return unit * (1 + estimate_lib.ENCODE_FACTOR) <= budget_bytes
 
 
 def candidates_for(est: estimate_lib.TreeEstimate, budget_bytes: int) -> list[Candidate]:
@@ -308,9 +325,7 @@ def plan_from_estimate(
       num_leaves=est.num_leaves,
       largest_leaf_bytes=max((l.global_bytes for l in est.leaves), default=0),
       orbax=choice.orbax,
-      # Orbax saves use the streaming slice size as their chunk size, so the
-      # checkpoint restores slice by slice within the same budget.
-      slice_bytes=choice.slice_bytes or streaming_layout.choose(budget_bytes).slice_bytes,
+      slice_bytes=choice.slice_bytes,
       slices_in_flight=choice.slices_in_flight,
       candidates=tuple(cands),
       estimate=est,

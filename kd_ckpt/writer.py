@@ -150,18 +150,6 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     self.stats = streaming.StreamStats()
     self._impl = pytree_handler_for(plan, self.stats)
 
-  async def async_save(self, directory, item=None, save_args=None, args=None):
-    if self.plan is not None and self.plan.strategy == 'orbax' and args is not None \
-        and args.save_args is None and self.plan.slice_bytes:
-      # Chunks no bigger than a restore slice: Orbax otherwise stores one
-      # chunk per shard, and reading any part of a chunk decodes all of it,
-      # so the checkpoint could not be restored within the same budget.
-      chunk = ocp.SaveArgs(chunk_byte_size=self.plan.slice_bytes)
-      save_args = jax.tree.map(lambda _: chunk, args.item)
-      args = type(args)(item=args.item, save_args=save_args,
-                        custom_metadata=args.custom_metadata)
-    return await super().async_save(directory, item=item, save_args=save_args, args=args)
-
   def restore(self, directory, item=None, args=None):
     impl, self._impl = self._impl, self._default_impl
     try:
