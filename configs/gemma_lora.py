@@ -20,7 +20,8 @@ Flags (`ConfigArgs`, set with `--cfg.__args__.<name>=<value>`):
 * `safe_ckpt=False`: stock `kd.ckpts.Checkpointer` (to compare).
 * `host_ram_budget='8GiB'`: the budget (default `'auto'`: a fraction of the
   host's available RAM, see `kd_ckpt.AUTO_FRACTION`).
-* `strategy='stream'`: force a save strategy (default `'auto'`).
+* `strategy='streaming'` (or `'orbax'`): force a save strategy (default
+  `'auto'`: the fastest that fits the budget).
 * `tiny=True`: a dummy Gemma and synthetic pre-tokenized data, 4 steps, a
   checkpoint every 2 steps; runs offline on CPU in seconds:
 
@@ -42,8 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
 from kauldron import konfig
 
 # pylint: disable=g-import-not-at-top
@@ -51,16 +50,26 @@ with konfig.imports():
   from gemma import gm
   from kauldron import kd
   import kd_ckpt
+  import numpy as np
   import optax
 # pylint: enable=g-import-not-at-top
 
 
 @dataclasses.dataclass(frozen=True)
 class ConfigArgs:
-  """Flags of this config (`--cfg.__args__.<name>=<value>`)."""
+  """Flags of this config (`--cfg.__args__.<name>=<value>`).
+
+  Attributes:
+    safe_ckpt: `kd_ckpt.SafeCheckpointer` (True) or the stock
+      `kd.ckpts.Checkpointer` (False), same schedule.
+    host_ram_budget: extra host RAM a save may add ("auto", "16GiB", bytes,
+      or a fraction of the available RAM in (0, 1]).
+    strategy: "auto", "orbax" or "streaming".
+    tiny: dummy Gemma + synthetic tokens, 4 steps, a save every 2 (offline).
+  """
 
   safe_ckpt: bool = True
-  host_ram_budget: str = "auto"
+  host_ram_budget: str | float = "auto"
   strategy: str = "auto"
   tiny: bool = False
 
@@ -74,6 +83,7 @@ _TINY_NUM_TRAIN_STEPS = 4
 _TINY_SAVE_INTERVAL_STEPS = 2
 # `gm.testing.DummyGemma` has a vocabulary of 13 tokens.
 _TINY_VOCAB_SIZE = 13
+_TINY_NUM_EXAMPLES = 16  # Repeated: the data only has to be valid.
 
 
 def get_config(args: ConfigArgs = ConfigArgs()):
@@ -131,7 +141,7 @@ def get_config(args: ConfigArgs = ConfigArgs()):
         "sampling": gm.evals.SamplerEvaluator(
             run=kd.evals.EveryNSteps(1000),
             max_new_tokens=150,
-            num_examples=1,
+            num_batches=1,  # A single example (the dataset is unbatched).
             ds=_make_dataset(training=False, sampling=True),
         ),
     }
@@ -205,44 +215,39 @@ def _make_dataset(
 
 
 def _make_tiny_dataset(*, batch_size: int):
-  """Synthetic pre-tokenized examples with the fields `Seq2SeqTask` outputs."""
+  """Synthetic pre-tokenized examples with the fields `Seq2SeqTask` outputs.
+
+  `input` i32[L], `target` i32[L 1], `loss_mask` bool[L 1], kept in memory
+  (a tuple of dicts is a valid grain random-access source).  The tokens are a
+  fixed function of the example index, so a resumed run sees the same data.
+  """
+  examples = []
+  for index in range(_TINY_NUM_EXAMPLES):
+    tokens = _fake_tokens(index, _TINY_MAX_LENGTH + 1)
+    examples.append({
+        "input": np.asarray(tokens[:-1], dtype="int32"),
+        "target": np.asarray([[t] for t in tokens[1:]], dtype="int32"),
+        # Loss on the second half only, like a prompt/response pair.
+        "loss_mask": np.asarray(
+            [[j >= _TINY_MAX_LENGTH // 2] for j in range(_TINY_MAX_LENGTH)],
+            dtype="bool",
+        ),
+    })
   return kd.data.py.DataSource(
-      data_source=SyntheticSeq2Seq(
-          num_examples=8 * batch_size,
-          max_length=_TINY_MAX_LENGTH,
-          vocab_size=_TINY_VOCAB_SIZE,
-      ),
+      data_source=examples,
       shuffle=True,
       num_epochs=None,
       batch_size=batch_size,
-      # In-process: the data source is defined in this config file, which
-      # grain worker processes could not import.
+      # In-process: nothing to parallelize, and no worker start-up cost.
       num_workers=0,
   )
 
 
-@dataclasses.dataclass(frozen=True)
-class SyntheticSeq2Seq:
-  """In-memory random-access source of fake token sequences (grain protocol).
-
-  Each example is deterministic in its index, so a resumed run sees the same
-  data as an uninterrupted one.
-  """
-
-  num_examples: int
-  max_length: int
-  vocab_size: int
-
-  def __len__(self) -> int:
-    return self.num_examples
-
-  def __getitem__(self, index: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(index)
-    tokens = rng.integers(1, self.vocab_size, size=self.max_length + 1)
-    # Loss on the second half only, like a prompt/response pair.
-    loss_mask = np.arange(self.max_length) >= self.max_length // 2
-    return {
-        "input": tokens[:-1].astype(np.int32),
-        "target": tokens[1:, None].astype(np.int32),
-        "loss_mask": loss_mask[:, None],
-    }
+def _fake_tokens(index: int, length: int) -> list[int]:
+  """Deterministic tokens in [1, vocab) (0 is the padding id)."""
+  state = index + 1
+  tokens = []
+  for _ in range(length):
+    state = (state * 1103515245 + 12345) % 2**31  # an LCG: no RNG state.
+    tokens.append(1 + state % (_TINY_VOCAB_SIZE - 1))
+  return tokens

@@ -64,7 +64,7 @@ def save(
         ' one per step) or delete the old one first.'
     )
   plan = plan_lib.plan_save(tree, host_ram_budget=host_ram_budget, strategy=strategy)
-  logging.info('kd_ckpt save %s: %s', os.fspath(directory), plan.summary())
+  logging.vlog(1, 'kd_ckpt save %s plan: %s', os.fspath(directory), plan.summary())
   path.parent.mkdir(parents=True, exist_ok=True)
 
   handler = writer.SafePyTreeHandler()

@@ -44,6 +44,10 @@ ENCODE_FACTOR = 0.9
 # Without zstd TensorStore references the caller's buffer instead of copying:
 # 0.01 GiB extra was measured for a 1 GiB array.
 UNCOMPRESSED_ENCODE_FACTOR = 0.02
+# What any Orbax save costs beyond its arrays: TensorStore and OCDBT
+# contexts, thread stacks and arenas, metadata (4-16 MiB measured for states
+# of 0.1-13 MiB).
+ORBAX_FLOOR_BYTES = 16 << 20
 
 
 def keystr(path) -> str:
@@ -233,9 +237,12 @@ class OrbaxCost:
   pinned_staging_bytes: int
   encode_bytes: int
 
+  floor_bytes: int = ORBAX_FLOOR_BYTES
+
   @property
   def peak_bytes(self) -> int:
-    return self.host_copy_bytes + self.pinned_staging_bytes + self.encode_bytes
+    return (self.host_copy_bytes + self.pinned_staging_bytes + self.encode_bytes
+            + self.floor_bytes)
 
 
 def predict_orbax(

@@ -173,7 +173,7 @@ class SafeCheckpointer(kd.ckpts.Checkpointer):
         items, host_ram_budget=self.host_ram_budget, strategy=self.strategy)
     for h in mgr.safe_handlers().values():
       h.use_plan(plan)
-    logging.info('kd_ckpt step %d: %s', step, plan.summary())
+    logging.vlog(1, 'kd_ckpt step %d plan: %s', step, plan.summary())
 
     hostmem.release_free_memory()
     with hostmem.PeakRss() as peak:

@@ -48,17 +48,19 @@ def _start(workdir: pathlib.Path, *flags: str) -> subprocess.Popen:
       'PYTHONPATH': str(REPO),
   }
   log_file = workdir / f'train_{len(list(workdir.glob("train_*.log")))}.log'
-  return subprocess.Popen(
-      [
-          sys.executable, '-m', 'kauldron.main',
-          f'--cfg={CONFIG}',
-          f'--cfg.workdir={workdir}',
-          '--cfg.__args__.tiny=True',
-          *flags,
-      ],
-      cwd=REPO, env=env, stdout=log_file.open('w'), stderr=subprocess.STDOUT,
-      text=True,
-  )
+  with log_file.open('w') as log:
+    proc = subprocess.Popen(
+        [
+            sys.executable, '-m', 'kauldron.main',
+            f'--cfg={CONFIG}',
+            f'--cfg.workdir={workdir}',
+            '--cfg.__args__.tiny=True',
+            *flags,
+        ],
+        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+  proc.log_file = log_file
+  return proc
 
 
 def _wait(proc: subprocess.Popen) -> str:
@@ -68,13 +70,16 @@ def _wait(proc: subprocess.Popen) -> str:
   except subprocess.TimeoutExpired:
     proc.kill()
     proc.wait()
-  proc.stdout.close()
-  log = pathlib.Path(proc.stdout.name).read_text()
+  return _check(proc)
+
+
+def _check(proc: subprocess.Popen) -> str:
+  log = proc.log_file.read_text()
   if proc.returncode != 0:
     # Orbax errors print whole pytrees: keep the ends of the last lines.
     tail = '\n'.join(l[:300] for l in log.splitlines()[-60:])
     pytest.fail(f'kauldron.main failed (exit {proc.returncode}), log'
-                f' {proc.stdout.name}:\n{tail}', pytrace=False)
+                f' {proc.log_file}:\n{tail}', pytrace=False)
   return log
 
 
@@ -123,26 +128,27 @@ def first_runs(tmp_path_factory):
       'safe': _start(workdirs['safe'], '--cfg.__args__.safe_ckpt=True'),
       'stock': _start(workdirs['stock'], '--cfg.__args__.safe_ckpt=False'),
   }
-  logs = {}
-  for k, proc in procs.items():
-    try:
-      logs[k] = _wait(proc)
-    except BaseException:
-      for p in procs.values():
-        if p.poll() is None:
-          p.kill()
-      raise
-  return {k: (workdirs[k], logs[k]) for k in procs}
+  try:
+    for proc in procs.values():
+      proc.wait(timeout=TIMEOUT_SECS)
+  finally:
+    for proc in procs.values():
+      if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+  return {k: (workdirs[k], procs[k]) for k in procs}
 
 
 @pytest.fixture(scope='module')
 def safe_run(first_runs):
-  return first_runs['safe']
+  workdir, proc = first_runs['safe']
+  return workdir, _check(proc)
 
 
 @pytest.fixture(scope='module')
 def stock_run(first_runs):
-  return first_runs['stock']
+  workdir, proc = first_runs['stock']
+  return workdir, _check(proc)
 
 
 @pytest.fixture(scope='module')

@@ -1,0 +1,90 @@
+# kd_ckpt: JAX checkpoints that stay inside a host-RAM budget.
+#
+#   make test          unit + integration tests (pytest, ~6 min on 2 cores)
+#   make test-fast     without the slow/integration tests
+#   make demo          tiny Gemma LoRA through kauldron.main: train, resume,
+#                      show each save's kd_ckpt report
+#   make plan          preflight of the full Gemma 3 4B LoRA config's saves
+#                      (PLAN_ARGS='--host-ram-budget=16GiB --json' to change)
+#   make bench         bench/run.py
+#   make constraints   re-pin constraints.txt from the current .venv
+#
+# The first target run creates .venv with a Python >= 3.12 found by
+# tools/find_python.sh (set KD_PYTHON=/path/to/python3.12 to choose) and
+# installs kd_ckpt with the exact tested package set (constraints.txt).
+
+SHELL := bash
+.SHELLFLAGS := -euo pipefail -c
+.DEFAULT_GOAL := test
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Re-installs when the dependencies or their pins change.
+STAMP := $(VENV)/.installed
+
+# Fake CPU devices for the demo: the tiny config's batch of 8 divides 8, and
+# the saves then go through the multi-device (replicated) path.
+DEMO_DEVICES ?= 8
+DEMO_CFG := configs/gemma_lora.py
+PLAN_ARGS ?=
+
+.PHONY: test test-fast demo bench plan constraints venv clean
+
+venv: $(STAMP)
+
+$(PY):
+	@py="$$(tools/find_python.sh)"; \
+	echo "Creating $(VENV) with $$py ($$("$$py" --version))"; \
+	"$$py" -m venv $(VENV)
+
+$(STAMP): pyproject.toml constraints.txt | $(PY)
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[gemma,test]"
+	@touch $@
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not integration" tests
+
+bench: $(STAMP)
+	$(PY) bench/run.py
+
+plan: $(STAMP)
+	$(PY) -m kd_ckpt plan --cfg=$(DEMO_CFG) $(PLAN_ARGS)
+
+# Tiny Gemma LoRA (offline, CPU): 4 steps with a save every 2 (ckpt_0/2/4),
+# then a second run to step 8 that resumes from ckpt_4.  The full logs stay in
+# the workdir; only kd_ckpt's lines and the restore are shown.
+demo: $(STAMP)
+	@wd="$${DEMO_WORKDIR:-$$(mktemp -d -t kd_ckpt_demo.XXXXXX)}"; mkdir -p "$$wd"; \
+	export XLA_FLAGS="--xla_force_host_platform_device_count=$(DEMO_DEVICES) $${XLA_FLAGS:-}"; \
+	run() { \
+	  local log="$$1"; shift; \
+	  if ! $(PY) -m kauldron.main --cfg=$(DEMO_CFG) --cfg.workdir="$$wd" \
+	      --cfg.__args__.tiny=True "$$@" >"$$log" 2>&1; then \
+	    tail -n 30 "$$log" | cut -c1-400; echo "FAILED, full log: $$log"; exit 1; \
+	  fi; \
+	  grep -E "\] (kd_ckpt step|Starting training loop)" "$$log" \
+	    | sed -E 's/^[IWE][0-9]{4} [0-9:.]+ +[0-9]+ [^]]+\] //' || true; \
+	}; \
+	echo "== 1/3 train 4 steps with kd_ckpt.SafeCheckpointer ($(DEMO_DEVICES) CPU devices), workdir $$wd"; \
+	run "$$wd/train_1.log"; \
+	echo; echo "== 2/3 run again to step 8: resumes from the last checkpoint"; \
+	run "$$wd/train_2.log" --cfg.num_train_steps=8; \
+	echo; echo "== 3/3 the checkpoints (python -m kd_ckpt inspect DIR; --json for all leaves)"; \
+	for d in $$(ls -d "$$wd"/checkpoints/ckpt_* | sort -V); do \
+	  echo; $(PY) -m kd_ckpt inspect "$$d" | sed -n '/^$$/q;p'; \
+	done; \
+	echo; echo "Workdir (logs, checkpoints): $$wd"
+
+constraints: $(STAMP)
+	@{ sed -n '/^#/p' constraints.txt; \
+	  $(PY) -m pip freeze --exclude-editable \
+	    | grep -v -i -E '^kd[-_]ckpt([=@ ]|$$)'; } > constraints.txt.new
+	@mv constraints.txt.new constraints.txt
+	@touch $(STAMP)
+	@echo "constraints.txt: $$(grep -c '==' constraints.txt) pins"
+
+clean:
+	rm -rf .pytest_cache build *.egg-info
