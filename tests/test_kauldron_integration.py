@@ -178,8 +178,11 @@ def test_safe_checkpointer_saves_every_interval_with_a_report(safe_run):
     assert info['step'] == step
     assert info['saved_by'] == 'kd_ckpt'
     assert report['bytes_written'] == info['total_bytes']
-    # The INFO line of each save.
-    assert re.search(rf'kd_ckpt step {step}: strategy=', log), step
+    # The one INFO line of each save: choice, budget, prediction, measured peak.
+    assert len(re.findall(rf'kd_ckpt step {step} saved: ', log)) == 1, step
+    assert re.search(
+        rf'kd_ckpt step {step} saved: (orbax|streaming) \(.*\): peak extra RSS .* of'
+        r' budget .* \(predicted .*\)', log), step
 
 
 def test_stock_checkpointer_run(stock_run):
@@ -242,8 +245,8 @@ def test_safe_checkpointer_resumes_from_last_step(safe_run, safe_params_4):
   )
   # Restored ckpt_4 rather than starting over.
   assert 'Starting training loop at step 4' in log
-  assert 'kd_ckpt step 0:' not in log
-  assert re.search(r'kd_ckpt step 6: strategy=', log)
+  assert 'kd_ckpt step 0 saved' not in log
+  assert re.search(r'kd_ckpt step 6 saved: ', log)
   steps = _step_dirs(workdir)
   assert sorted(steps) == [2, 4, 6]  # max_to_keep=3
   assert (steps[6] / report_lib.REPORT_FILE_NAME).is_file()
