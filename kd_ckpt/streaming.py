@@ -40,7 +40,6 @@ import numpy as np
 from orbax.checkpoint._src.arrays import subchunking
 from orbax.checkpoint._src.futures import future as future_lib
 from orbax.checkpoint._src.multihost import multihost
-from orbax.checkpoint._src.path import async_path  # pylint: disable=unused-import
 from orbax.checkpoint._src.serialization import jax_array_handlers
 from orbax.checkpoint._src.serialization import ocdbt_utils
 from orbax.checkpoint._src.serialization import replica_slices as replica_slices_lib
