@@ -80,18 +80,8 @@ def save(
     checkpointer.close()
     seconds = time.monotonic() - start
     writer.after_save(tree)
-  report = report_lib.SaveReport(
-      directory=os.fspath(directory),
-      strategy=plan.strategy,
-      settings=plan.settings_text(),
-      budget_bytes=plan.budget_bytes,
-      predicted_peak_bytes=plan.predicted_peak_bytes,
-      peak_extra_bytes=peak.extra_bytes,
-      retained_bytes=peak.retained_bytes,
-      bytes_written=plan.total_bytes,
-      seconds=seconds,
-      exact_peak=peak.exact,
-  )
+  report = report_lib.SaveReport.measured(
+      os.fspath(directory), plan, peak, seconds)
   if jax.process_index() == 0:
     report.write_json(path / report_lib.REPORT_FILE_NAME)
   logging.info('kd_ckpt saved %s: %s', os.fspath(directory), report.summary())

@@ -184,18 +184,8 @@ class SafeCheckpointer(kd.ckpts.Checkpointer):
         mgr.wait_until_finished()
       seconds = time.monotonic() - start
       writer.after_save(items)
-    report = report_lib.SaveReport(
-        directory=str(self._step_dir(step)),
-        strategy=plan.strategy,
-        settings=plan.settings_text(),
-        budget_bytes=plan.budget_bytes,
-        predicted_peak_bytes=plan.predicted_peak_bytes,
-        peak_extra_bytes=peak.extra_bytes,
-        retained_bytes=peak.retained_bytes,
-        bytes_written=plan.total_bytes,
-        seconds=seconds,
-        exact_peak=peak.exact,
-    )
+    report = report_lib.SaveReport.measured(
+        str(self._step_dir(step)), plan, peak, seconds)
     self.reports.append(report)
     # Written once the async commit has renamed the step directory.
     object.__setattr__(self, '_pending_report', (step, report))

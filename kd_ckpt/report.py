@@ -50,6 +50,22 @@ class SaveReport:
   seconds: float
   exact_peak: bool = True
 
+  @classmethod
+  def measured(cls, directory: str, plan, peak: hostmem.PeakRss, seconds: float) -> 'SaveReport':
+    """The report of a save made under `plan` (a SavePlan), measured by `peak`."""
+    return cls(
+        directory=directory,
+        strategy=plan.strategy,
+        settings=plan.settings_text(),
+        budget_bytes=plan.budget_bytes,
+        predicted_peak_bytes=plan.predicted_peak_bytes,
+        peak_extra_bytes=peak.extra_bytes,
+        retained_bytes=peak.retained_bytes,
+        bytes_written=plan.total_bytes,
+        seconds=seconds,
+        exact_peak=peak.exact,
+    )
+
   @property
   def gb_per_sec(self) -> float:
     return self.bytes_written / 1e9 / self.seconds if self.seconds > 0 else 0.0
