@@ -24,10 +24,12 @@ import jax
 import orbax.checkpoint as ocp
 
 from kd_ckpt import budget as budget_lib
+from kd_ckpt import disk
 from kd_ckpt import hostmem
 from kd_ckpt import plan as plan_lib
 from kd_ckpt import report as report_lib
 from kd_ckpt import restoring
+from kd_ckpt import verifying as verify_lib
 from kd_ckpt import writer
 
 
@@ -54,6 +56,9 @@ def save(
     FileExistsError: `directory` exists.
     ValueError: bad budget or strategy, or deleted/donated arrays in `tree`.
     BudgetTooSmallError: no strategy fits the budget.
+    PermissionError: nothing can be created where `directory` goes.
+    DiskFullError: the filesystem has no room, before writing (uncompressed
+      saves) or during it; the partial files are removed either way.
   """
   path = epath.Path(directory)
   # Every check happens before anything is written.
@@ -65,7 +70,15 @@ def save(
     )
   plan = plan_lib.plan_save(tree, host_ram_budget=host_ram_budget, strategy=strategy)
   logging.vlog(1, 'kd_ckpt save %s plan: %s', os.fspath(directory), plan.summary())
+  disk.check_writable(path)
+  needed_bytes = plan.estimate.global_bytes
+  if plan.orbax is not None and not plan.orbax.use_compression:
+    disk.check_free_space(path, needed_bytes)  # zstd output size is unknowable
   path.parent.mkdir(parents=True, exist_ok=True)
+  if jax.process_index() == 0:
+    # A save of this same directory that was killed: never a checkpoint.
+    for stale in disk.remove_unfinished(path):
+      logging.warning('kd_ckpt: removed %s, left by an unfinished save.', stale)
 
   handler = writer.SafePyTreeHandler()
   handler.use_plan(plan)
@@ -75,8 +88,16 @@ def save(
   hostmem.release_free_memory()
   with hostmem.PeakRss() as peak:
     start = time.monotonic()
-    with jax.transfer_guard('allow'):
-      checkpointer.save(path, args=writer.SafeSave(tree))
+    try:
+      with jax.transfer_guard('allow'):
+        checkpointer.save(path, args=writer.SafeSave(tree))
+    except Exception as e:
+      checkpointer.close()
+      if jax.process_index() == 0:
+        disk.remove_unfinished(path)
+      if disk.is_disk_full(e):
+        raise disk.DiskFullError.during_save(path, needed_bytes) from e
+      raise
     checkpointer.close()
     seconds = time.monotonic() - start
     writer.after_save(tree)
@@ -93,6 +114,7 @@ def restore(
     target: Any = None,
     *,
     host_ram_budget: budget_lib.BudgetLike = 'auto',
+    verify: bool = False,
 ) -> Any:
   """Restores a checkpoint, reading leaf by leaf within a host-RAM budget.
 
@@ -105,9 +127,15 @@ def restore(
       from the ones saved.  None restores with the saved shardings.
     host_ram_budget: extra host RAM the restore may add on top of the restored
       arrays themselves.
+    verify: first re-read every leaf and check it against the CRC32C
+      recorded at save time (`kd_ckpt.verify`); costs one extra read.
 
   Returns:
     The restored pytree.
+
+  Raises:
+    CorruptCheckpointError: `verify=True` and a leaf does not match.
+    NoChecksumsError: `verify=True` on a checkpoint without kd_ckpt checksums.
   """
   path = epath.Path(directory)
   if not path.exists():
@@ -117,6 +145,14 @@ def restore(
     )
   spec = budget_lib.parse(host_ram_budget)
   budget_bytes = budget_lib.resolve(spec, hostmem.probe())
+  restoring.check_is_checkpoint(path)
+  if verify:
+    check = verify_lib.verify(path, host_ram_budget=budget_bytes)
+    if not check.ok:
+      raise verify_lib.CorruptCheckpointError(
+          f'{os.fspath(directory)!r} is corrupt; nothing was restored.'
+          f' {check.summary()}\n{check}\nRestore an earlier checkpoint, or'
+          ' restore with verify=False to read it anyway.')
   out = restoring.restore_tree(path, target, budget_bytes=budget_bytes)
   hostmem.release_free_memory()
   return out

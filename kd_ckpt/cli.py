@@ -1,8 +1,9 @@
-"""Command line: plan a Kauldron config's saves, inspect a checkpoint.
+"""Command line: plan a Kauldron config's saves, inspect or verify a checkpoint.
 
   python -m kd_ckpt plan --cfg=configs/gemma_lora.py [--cfg.x=...]
       [--host-ram-budget=16GiB] [--strategy=auto] [--batch-spec=...] [--json]
   python -m kd_ckpt inspect DIR [--json]
+  python -m kd_ckpt verify DIR [--host-ram-budget=256MiB] [--json]
 
 `plan` builds the config's train state abstractly (`jax.eval_shape` of the
 trainer's `init_state`, without the `init_transform`: nothing is allocated,
@@ -19,8 +20,13 @@ read) and, when present, what kd_ckpt recorded about the save
 (`ckpt_N`, holding `default/`), a Kauldron `checkpoints/` folder or a workdir
 (then the latest step).
 
-Exit status: 0 success; 1 no strategy fits the budget (`plan`); 2 bad
-arguments, config errors, or no checkpoint found.
+`verify` re-reads every leaf within the budget and checks it against the
+CRC32C recorded when kd_ckpt saved it (`kd_ckpt.verify`): one row per leaf,
+ok or CORRUPT/unreadable, naming the bad leaves.
+
+Exit status: 0 success; 1 no strategy fits the budget (`plan`) or a corrupt
+leaf (`verify`); 2 bad arguments, config errors, no checkpoint found, or no
+checksums to verify against.
 """
 
 from __future__ import annotations
@@ -189,6 +195,19 @@ def _parser() -> argparse.ArgumentParser:
   )
   inspect.add_argument('directory', metavar='DIR')
   inspect.add_argument('--json', action='store_true', help='print JSON')
+
+  verify = sub.add_parser(
+      'verify',
+      help="re-read a checkpoint and check each leaf's CRC32C",
+      description=(
+          'Re-read every leaf within the budget and compare it with the'
+          ' CRC32C kd_ckpt recorded at save time.  DIR as for inspect.'
+      ),
+  )
+  verify.add_argument('directory', metavar='DIR')
+  verify.add_argument('--host-ram-budget', default='auto',
+                      help='extra host RAM the re-read may use (default "auto")')
+  verify.add_argument('--json', action='store_true', help='print JSON')
   return parser
 
 
@@ -202,6 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       return _plan(args, cfg_args)
     if cfg_args:
       raise CliError(f'{args.command} takes no --cfg flags, got {cfg_args}.')
+    if args.command == 'verify':
+      return _verify(args)
     return _inspect(args)
   except CliError as e:
     print(f'kd_ckpt {args.command}: {e}', file=sys.stderr)
@@ -728,6 +749,18 @@ def inspect_checkpoint(directory: str | os.PathLike[str]) -> dict[str, Any]:
       'saved_by': 'kd_ckpt' if report is not None else 'orbax',
       'report': report,
   }
+
+
+def _verify(args: argparse.Namespace) -> int:
+  from kd_ckpt import verifying as verify_lib  # pylint: disable=g-import-not-at-top
+
+  item_dir, _ = find_checkpoint(args.directory)
+  try:
+    report = verify_lib.verify(item_dir, host_ram_budget=args.host_ram_budget)
+  except (verify_lib.NoChecksumsError, ValueError) as e:
+    raise CliError(str(e)) from e
+  print(json.dumps(report.to_json_dict(), indent=2) if args.json else report)
+  return 0 if report.ok else 1
 
 
 def _inspect(args: argparse.Namespace) -> int:

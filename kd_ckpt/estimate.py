@@ -175,6 +175,11 @@ def estimate_leaf(path: str, x: Any) -> LeafEstimate:
   if not _is_array_like(x):
     arr = np.asarray(x)
     nbytes = int(arr.nbytes)
+    if arr.size == 0:
+      raise ValueError(
+          f'Leaf {path!r} is a zero-size numpy array {arr.shape}, which Orbax'
+          ' cannot save. Pass it as a jax.Array (jnp.asarray(x)): kd_ckpt'
+          ' stores zero-size jax.Arrays. Or drop the leaf.')
     return LeafEstimate(
         path=path, shape=tuple(arr.shape), dtype=str(arr.dtype),
         global_bytes=nbytes, shard_bytes=nbytes, num_replicas=1,

@@ -34,6 +34,7 @@ from kauldron.checkpoints import lazy_checkpoint_manager
 import orbax.checkpoint as ocp
 
 from kd_ckpt import budget as budget_lib
+from kd_ckpt import disk
 from kd_ckpt import hostmem
 from kd_ckpt import plan as plan_lib
 from kd_ckpt import report as report_lib
@@ -165,7 +166,7 @@ class SafeCheckpointer(kd.ckpts.Checkpointer):
     mgr = self._ckpt_mgr
     mgr._get_manager(state)  # pylint: disable=protected-access
     # The previous async save must finish before we measure this one.
-    mgr.wait_until_finished()
+    self._wait_for_previous()
     self._write_pending_report()
     items = self._items_to_plan(state)
     # One plan for all items together: they are saved in the same call.
@@ -178,10 +179,14 @@ class SafeCheckpointer(kd.ckpts.Checkpointer):
     hostmem.release_free_memory()
     with hostmem.PeakRss() as peak:
       start = time.monotonic()
-      saved = super().save(state, step=step, force=force, metrics=metrics)
-      if not (plan.orbax is not None and plan.orbax.use_async):
-        # Sync and streaming plans: the budget covers the whole save.
-        mgr.wait_until_finished()
+      try:
+        saved = super().save(state, step=step, force=force, metrics=metrics)
+        if not (plan.orbax is not None and plan.orbax.use_async):
+          # Sync and streaming plans: the budget covers the whole save.
+          mgr.wait_until_finished()
+      except Exception as e:
+        self._raise_disk_full(e, step, plan.global_bytes)
+        raise
       seconds = time.monotonic() - start
       writer.after_save(items)
     report = report_lib.SaveReport.measured(
@@ -191,6 +196,29 @@ class SafeCheckpointer(kd.ckpts.Checkpointer):
     object.__setattr__(self, '_pending_report', (step, report))
     logging.info('kd_ckpt step %d saved: %s', step, report.summary())
     return saved
+
+  def _raise_disk_full(self, e: Exception, step: int, needed_bytes: int) -> None:
+    """A full disk: remove the unfinished step and say so; else do nothing.
+
+    The manager stays usable: free space and the next save (or a retry of
+    this step) goes through.
+    """
+    if not disk.is_disk_full(e):
+      return
+    d = self._step_dir(step)
+    if jax.process_index() == 0:
+      disk.remove_unfinished(d)
+    raise disk.DiskFullError.during_save(d, needed_bytes) from e
+
+  def _wait_for_previous(self) -> None:
+    """Waits for the previous async save; its disk-full error is ours to name."""
+    try:
+      self._ckpt_mgr.wait_until_finished()
+    except Exception as e:
+      pending = self.__dict__.pop('_pending_report', None)  # frozen: bypass
+      if pending is not None:
+        self._raise_disk_full(e, pending[0], pending[1].bytes_written)
+      raise
 
   def _step_dir(self, step: int) -> epath.Path:
     return epath.Path(self.workdir) / kd.ckpts.checkpointer.CHECKPOINT_FOLDER_NAME / f'ckpt_{step}'
@@ -205,5 +233,6 @@ class SafeCheckpointer(kd.ckpts.Checkpointer):
       report.write_json(d / report_lib.REPORT_FILE_NAME)
 
   def wait_until_finished(self) -> None:
+    self._wait_for_previous()
     super().wait_until_finished()
     self._write_pending_report()

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
+
+import numpy as np
 
 from kd_ckpt import budget as budget_lib
 from kd_ckpt import estimate as estimate_lib
@@ -82,6 +84,9 @@ class Candidate:
   orbax: OrbaxSettings | None = None
   slice_bytes: int | None = None
   slices_in_flight: int | None = None
+  # The highest predicted peak over all processes of a multi-process save
+  # (`fits` is for all of them too); `predicted_peak_bytes` is this one's.
+  worst_peak_bytes: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,9 +205,28 @@ class SavePlan:
     return '\n'.join(lines)
 
 
-def _orbax_candidate(name, est, budget_bytes, settings_list) -> Candidate:
-  """The cheapest of several settings variants (e.g. replica parallel on/off)."""
-  best = None
+def all_processes(values: Sequence[int]) -> np.ndarray:
+  """`values` (ints in [0, 2**62)) of every process, shape (processes, len).
+
+  Collective in a multi-process job: every process calls it with as many
+  values.  With one process nothing is exchanged.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+
+  v = np.asarray(values, dtype=np.int64).reshape(-1)
+  if jax.process_count() == 1:
+    return v[None]
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+
+  # Two int32 halves: without jax_enable_x64 an int64 would be truncated.
+  halves = np.stack([v >> 31, v & 0x7FFFFFFF]).astype(np.int32)
+  out = np.asarray(multihost_utils.process_allgather(halves)).astype(np.int64)
+  return (out[:, 0] << 31) | out[:, 1]
+
+
+def _orbax_variants(est, budget_bytes, settings_list) -> list[tuple]:
+  """(settings, this process's cost, fits here) of each settings variant."""
+  out = []
   for s in settings_list:
     cost = estimate_lib.predict_orbax(
         est,
@@ -212,18 +236,29 @@ def _orbax_candidate(name, est, budget_bytes, settings_list) -> Candidate:
         save_concurrent_bytes=s.save_concurrent_bytes,
         save_device_host_concurrent_bytes=s.save_device_host_concurrent_bytes,
     )
-    # Among variants that fit: fewest bytes written by this host (replica
-    # parallelism across hosts), then pinned-host staging (faster D2H), then
-    # the lowest peak.
-    key = (cost.peak_bytes > budget_bytes, est.total_bytes(s.use_replica_parallel),
-           not s.enable_pinned_host_transfer, cost.peak_bytes)
+    fits = cost.peak_bytes <= budget_bytes and restorable_within(est, s, budget_bytes)
+    out.append((s, cost, fits))
+  return out
+
+
+def _orbax_candidate(name, variants, worst, budget_bytes) -> Candidate:
+  """The cheapest of several settings variants (e.g. replica parallel on/off).
+
+  `worst[i]` is (highest peak, most bytes written, fits everywhere) of
+  variant i over all processes: they must all pick the same variant.
+  """
+  best = None
+  for (s, cost, _), (peak, nbytes, fits) in zip(variants, worst):
+    # Among variants that fit: fewest bytes written by the busiest host
+    # (replica parallelism across hosts), then pinned-host staging (faster
+    # D2H), then the lowest peak.
+    key = (peak > budget_bytes, nbytes, not s.enable_pinned_host_transfer, peak)
     if best is None or key < best[0]:
-      best = (key, s, cost)
-  _, s, cost = best
+      best = (key, s, cost, peak, fits)
+  _, s, cost, peak, fits = best
   return Candidate(
       name=name, strategy='orbax', predicted_peak_bytes=cost.peak_bytes,
-      fits=cost.peak_bytes <= budget_bytes and restorable_within(est, s, budget_bytes),
-      orbax=s,
+      fits=bool(fits), orbax=s, worst_peak_bytes=int(peak),
   )
 
 
@@ -244,8 +279,15 @@ def restorable_within(est, s: OrbaxSettings, budget_bytes: int) -> bool:
 
 
 def candidates_for(est: estimate_lib.TreeEstimate, budget_bytes: int) -> list[Candidate]:
-  """Every way to save `est`, in order of preference."""
-  out = []
+  """Every way to save `est`, in order of preference.
+
+  In a multi-process save each process writes its part of the same arrays,
+  so all must choose alike (compression, replica parallelism and chunk grid
+  are part of the on-disk format): a candidate fits only where it fits on
+  every process, and variants are ranked by the worst process.  Collective
+  when `est.process_count > 1`; `budget_bytes` must be the same everywhere.
+  """
+  groups = []
   rp_options = (True, False)
   accelerator = est.platform in ('gpu', 'cuda', 'rocm')
   for compress, name in ((True, 'orbax async zstd'), (False, 'orbax async raw')):
@@ -255,21 +297,34 @@ def candidates_for(est: estimate_lib.TreeEstimate, budget_bytes: int) -> list[Ca
         variants.append(OrbaxSettings(use_compression=compress, use_replica_parallel=rp,
                                       enable_pinned_host_transfer=True))
       variants.append(OrbaxSettings(use_compression=compress, use_replica_parallel=rp))
-    out.append(_orbax_candidate(name, est, budget_bytes, variants))
+    groups.append((name, _orbax_variants(est, budget_bytes, variants)))
   # Limited: leave a third of the budget to each of the two limits and the
   # largest array (the d2h batcher always lets one whole array through).
   limit = max(_MIN_CONCURRENT_BYTES, budget_bytes // 3)
-  out.append(_orbax_candidate('orbax sync limited', est, budget_bytes, [
+  groups.append(('orbax sync limited', _orbax_variants(est, budget_bytes, [
       OrbaxSettings(use_async=False, use_compression=False, use_replica_parallel=rp,
                     save_concurrent_bytes=limit,
                     save_device_host_concurrent_bytes=limit)
       for rp in rp_options
-  ]))
+  ])))
   layout = streaming_layout.choose(budget_bytes)
   peak = streaming_layout.predict_peak(est, layout)
+  stream_fits = peak <= budget_bytes and layout.feasible
+  # One row per variant, streaming last: (peak, bytes written, fits here).
+  rows = [(c.peak_bytes, est.total_bytes(s.use_replica_parallel), int(f))
+          for _, vs in groups for s, c, f in vs]
+  rows.append((peak, 0, int(stream_fits)))
+  if est.process_count > 1:
+    everyone = all_processes([x for r in rows for x in r]).reshape(-1, len(rows), 3)
+    rows = [(int(p), int(n), bool(f)) for p, n, f in zip(
+        everyone[..., 0].max(0), everyone[..., 1].max(0), everyone[..., 2].min(0))]
+  out, i = [], 0
+  for name, vs in groups:
+    out.append(_orbax_candidate(name, vs, rows[i:i + len(vs)], budget_bytes))
+    i += len(vs)
   out.append(Candidate(
       name='streaming', strategy='streaming', predicted_peak_bytes=peak,
-      fits=peak <= budget_bytes and layout.feasible,
+      fits=bool(rows[-1][2]), worst_peak_bytes=int(rows[-1][0]),
       slice_bytes=layout.slice_bytes, slices_in_flight=layout.slices_in_flight,
   ))
   return out
@@ -297,13 +352,24 @@ def plan_from_estimate(
   check_strategy(strategy)
   cands = candidates_for(est, budget_bytes)
   pool = [c for c in cands if strategy == 'auto' or c.strategy == strategy]
+  empty = [l.path for l in est.leaves if l.is_array and 0 in l.shape]
+  if empty:
+    # Orbax 0.12 refuses zero-size arrays; the streaming writer stores them
+    # in Orbax's own format (zarr metadata, no chunks), which stock Orbax
+    # restores.
+    if strategy == 'orbax':
+      raise ValueError(
+          f'Leaf {empty[0]!r} has zero size, which Orbax cannot save.'
+          ' Use strategy="auto" or "streaming" (kd_ckpt\'s streaming writer'
+          ' stores zero-size arrays), or drop the leaf.')
+    pool = [c for c in pool if c.strategy == 'streaming']
   fitting = [c for c in pool if c.fits]
   if fitting:
     choice = fitting[0]
   elif strategy == 'orbax':
     # The user insisted on Orbax: give the cheapest Orbax settings and let
     # the log and report say it will not fit.
-    choice = min(pool, key=lambda c: c.predicted_peak_bytes)
+    choice = min(pool, key=lambda c: c.worst_peak_bytes)
   else:
     stream = next(c for c in cands if c.strategy == 'streaming')
     raise BudgetTooSmallError(
@@ -357,6 +423,10 @@ def plan_save(
   Returns:
     A `SavePlan`; `print(plan)` shows the table.
 
+  In a multi-process job this is collective, like the save it plans: call it
+  on every process.  The processes plan with the smallest of their budgets
+  and choose the same way to save (see `candidates_for`).
+
   Raises:
     ValueError: bad budget or strategy, or a deleted array in the tree.
     BudgetTooSmallError: no strategy fits the budget.
@@ -366,6 +436,9 @@ def plan_save(
   mem = memory if memory is not None else hostmem.probe()
   budget_bytes = budget_lib.resolve(spec, mem)
   est = estimate_lib.estimate_tree(tree, platform=platform)
+  if est.process_count > 1:
+    # "auto" resolves per host; the streaming chunk grid follows the budget.
+    budget_bytes = int(all_processes([budget_bytes]).min())
   return plan_from_estimate(
       est, budget_bytes=budget_bytes, budget_text=spec.text, strategy=strategy
   )

@@ -31,7 +31,7 @@ from kd_ckpt import streaming
 from kd_ckpt import streaming_layout
 
 
-def _restore_slice_bytes(budget_bytes: int) -> int:
+def restore_slice_bytes(budget_bytes: int) -> int:
   # A slice is read into one host buffer, then copied to each device holding
   # it; TensorStore's decode buffer is the third copy.
   usable = max(streaming_layout.MIN_SLICE_BYTES * 3, budget_bytes - streaming_layout.FLOOR_BYTES)
@@ -43,7 +43,7 @@ def _update(buf, piece, starts):
   return jax.lax.dynamic_update_slice(buf, piece, tuple(starts))
 
 
-def _open(directory, name: str) -> ts.TensorStore:
+def open_array(directory, name: str) -> ts.TensorStore:
   kv = ts_utils.build_kvstore_tspec(directory.as_posix(), name=name, use_ocdbt=True)
   last = None
   for driver in ('zarr', 'zarr3'):
@@ -59,7 +59,7 @@ def restore_array(
     directory, name: str, target: jax.ShapeDtypeStruct | jax.Array, slice_bytes: int
 ) -> jax.Array:
   """Reads one stored array into `target`'s sharding, one slice at a time."""
-  t = _open(directory, name)
+  t = open_array(directory, name)
   shape = tuple(target.shape)
   if tuple(t.shape) != shape:
     raise ValueError(
@@ -98,12 +98,80 @@ def restore_array(
   return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
+def check_is_checkpoint(directory) -> None:
+  """Raises a ValueError saying what to pass when `directory` is no checkpoint."""
+  if (directory / '_METADATA').exists():
+    return
+  hint = ''
+  if (directory / 'default' / '_METADATA').exists():
+    hint = f' It looks like a Kauldron step: pass its item folder {directory / "default"}.'
+  elif '.orbax-checkpoint-tmp' in directory.name:
+    hint = ' It is an unfinished save (Orbax temporary directory), never a checkpoint.'
+  raise ValueError(
+      f'{directory} is not an Orbax PyTree checkpoint (no _METADATA).{hint}'
+      ' `python -m kd_ckpt inspect DIR` finds the checkpoints under a folder.')
+
+
+def _stored_tree(directory) -> Any:
+  meta = ocp.StandardCheckpointer().metadata(directory)
+  tree_meta = getattr(meta, 'item_metadata', None) or meta
+  return getattr(tree_meta, 'tree', tree_meta)
+
+
+def _named_leaves(tree) -> dict[str, tuple[str, Any]]:
+  """{Orbax param name: (readable path, leaf)}."""
+  names = jax.tree_util.tree_leaves(base_pytree_checkpoint_handler.get_param_names(tree))
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {n: (jax.tree_util.keystr(p, simple=True, separator='.'), x)
+          for (p, x), n in zip(flat, names)}
+
+
+def check_target(directory, target: Any) -> None:
+  """Raises ValueError naming the leaf when `target` does not match the checkpoint.
+
+  Checks the tree structure (leaves missing on either side), then each
+  leaf's shape and dtype, before anything is read or allocated.
+  """
+  stored = _named_leaves(_stored_tree(directory))
+  wanted = _named_leaves(target)
+  fix = (' Build the target from the saved structure (`python -m kd_ckpt inspect'
+         f' {directory}` lists it), or pass target=None.')
+  missing = [wanted[n][0] for n in wanted if n not in stored]
+  if missing:
+    raise ValueError(
+        f'target leaf {missing[0]!r} is not in the checkpoint'
+        + (f' (nor {len(missing) - 1} more: {missing[1:4]})' if len(missing) > 1 else '')
+        + f'; the checkpoint has {len(stored)} leaves.' + fix)
+  extra = [stored[n][0] for n in stored if n not in wanted]
+  if extra:
+    raise ValueError(
+        f'checkpoint leaf {extra[0]!r} is missing from the target'
+        + (f' (and {len(extra) - 1} more: {extra[1:4]})' if len(extra) > 1 else '')
+        + '; a restore must cover every saved leaf.' + fix)
+  for n, (path, want) in wanted.items():
+    have = stored[n][1]
+    w_shape, h_shape = getattr(want, 'shape', None), getattr(have, 'shape', None)
+    if w_shape is not None and h_shape is not None and tuple(w_shape) != tuple(h_shape):
+      raise ValueError(
+          f'leaf {path!r}: target shape {tuple(w_shape)} != saved shape'
+          f' {tuple(h_shape)}.' + fix)
+    w_dtype, h_dtype = getattr(want, 'dtype', None), getattr(have, 'dtype', None)
+    if (w_dtype is not None and h_dtype is not None
+        and isinstance(want, (jax.Array, jax.ShapeDtypeStruct, np.ndarray))
+        and np.dtype(w_dtype) != np.dtype(h_dtype)):
+      raise ValueError(
+          f'leaf {path!r}: target dtype {np.dtype(w_dtype).name} != saved dtype'
+          f' {np.dtype(h_dtype).name}. Restore with the saved dtype and cast'
+          ' afterwards (x.astype(...)), so the cast is explicit.' + fix)
+
+
 def restore_tree(directory, target: Any, *, budget_bytes: int) -> Any:
   """Restores every leaf of `target` (None: the saved structure and shardings)."""
-  if target is None:
-    meta = ocp.StandardCheckpointer().metadata(directory)
-    tree_meta = getattr(meta, 'item_metadata', None) or meta
-    tree_meta = getattr(tree_meta, 'tree', tree_meta)
+  check_is_checkpoint(directory)
+  if target is not None:
+    check_target(directory, target)
+  else:
+    tree_meta = _stored_tree(directory)
 
     def to_struct(m):
       sharding = getattr(m, 'sharding', None)
@@ -122,7 +190,7 @@ def restore_tree(directory, target: Any, *, budget_bytes: int) -> Any:
     return ocp.StandardCheckpointer().restore(directory, target)
   names = base_pytree_checkpoint_handler.get_param_names(target)
   flat_names = jax.tree_util.tree_leaves(names)
-  slice_bytes = _restore_slice_bytes(budget_bytes)
+  slice_bytes = restore_slice_bytes(budget_bytes)
   leaves = []
   for (path, x), name in zip(flat, flat_names):
     if getattr(x, 'sharding', None) is None:

@@ -39,6 +39,7 @@ import jax
 import numpy as np
 from orbax.checkpoint._src.arrays import subchunking
 from orbax.checkpoint._src.futures import future as future_lib
+from orbax.checkpoint._src.futures import synchronization
 from orbax.checkpoint._src.multihost import multihost
 from orbax.checkpoint._src.serialization import jax_array_handlers
 from orbax.checkpoint._src.serialization import ocdbt_utils
@@ -48,6 +49,7 @@ from orbax.checkpoint._src.serialization import types
 import tensorstore as ts
 
 from kd_ckpt import hostmem
+from kd_ckpt import integrity
 
 
 # How often the writer returns freed memory to the OS.  A trim costs about a
@@ -187,6 +189,7 @@ class StreamingArrayHandler(jax_array_handlers.ArrayHandler):
       use_replica_parallel: bool = True,
       stats: StreamStats | None = None,
       progress_total_bytes: int = 0,
+      checksums: integrity.Checksums | None = None,
       **kwargs,
   ):
     super().__init__(use_replica_parallel=use_replica_parallel, **kwargs)
@@ -194,6 +197,9 @@ class StreamingArrayHandler(jax_array_handlers.ArrayHandler):
     self.slices_in_flight = max(1, int(slices_in_flight))
     self.stats = stats if stats is not None else StreamStats()
     self._progress = Progress(progress_total_bytes) if progress_total_bytes else None
+    # Set per save by the PyTree handler; each slice's CRC32C is taken from
+    # the host buffer about to be written.
+    self.checksums = checksums
 
   async def serialize(
       self,
@@ -206,7 +212,9 @@ class StreamingArrayHandler(jax_array_handlers.ArrayHandler):
     # Slice and encode buffers must go back to the OS when freed, or glibc's
     # per-thread arenas keep them and RSS climbs leaf after leaf.
     hostmem.use_mmap_for_large_buffers()
-    jax_array_handlers.check_array_values(values, infos)
+    # Zero-size arrays are fine here (Orbax 0.12 refuses them): their zarr
+    # metadata is created below and no chunk is written, which stock Orbax
+    # restores as an empty array.
     arrays, ext_metadata = [], {}
     for v, info in zip(values, infos):
       if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key):
@@ -217,21 +225,12 @@ class StreamingArrayHandler(jax_array_handlers.ArrayHandler):
       arrays.append(v)
     self._ext_metadata = ext_metadata
 
-    futures = []
-    if self._enable_write_sharding_file:
-      # Orbax's own sharding file writer: same `_sharding` as a stock save.
-      futures.append(future_lib.CommitFutureAwaitingContractedSignals(
-          jax_array_handlers._async_serialize_shardings(  # pylint: disable=protected-access
-              shardings=[a.sharding for a in arrays], infos=infos,
-              primary_host=self._primary_host,
-          ),
-          name='kd_ckpt_serialize_shardings',
-      ))
     # The arrays are written *now*, before this coroutine returns: the
     # caller may donate or overwrite them as soon as `save()` returns, and
     # we keep no host copy to write from later.
     prepared = [self._prepare(a, i, g, ext_metadata.get(i.name))
                 for a, i, g in zip(arrays, infos, args)]
+    await _directories_created()
     for info in infos:
       await info.await_path_creation()
     # Creating an array's metadata is a small OCDBT commit: do them all at
@@ -239,10 +238,21 @@ class StreamingArrayHandler(jax_array_handlers.ArrayHandler):
     stores = await asyncio.gather(*[self._open(p, i) for p, i in zip(prepared, infos)])
     # One pipeline across all leaves, so small leaves do not drain it.
     in_flight: collections.deque = collections.deque()
-    for p, t in zip(prepared, stores):
-      await self._write_array(p, t, in_flight)
-    while in_flight:
-      await self._retire(in_flight)
+    try:
+      for p, t in zip(prepared, stores):
+        await self._write_array(p, t, in_flight)
+      while in_flight:
+        await self._retire(in_flight)
+    except BaseException:
+      # A failed write (e.g. disk full) must not leave others running: they
+      # would re-create the temporary directory after the caller removed it.
+      while in_flight:
+        fut, _ = in_flight.popleft()
+        try:
+          await fut
+        except Exception:  # pylint: disable=broad-exception-caught
+          pass
+      raise
     del stores
     hostmem.release_free_memory()
     if self._array_metadata_store is not None:
@@ -251,6 +261,17 @@ class StreamingArrayHandler(jax_array_handlers.ArrayHandler):
           array_metadatas=[p.spec.metadata for p in prepared],
           process_index=multihost.process_index(),
       )
+    futures = []
+    if self._enable_write_sharding_file:
+      # Orbax's own sharding file writer: same `_sharding` as a stock save.
+      # Started after the data, so a failed save leaves no writer behind.
+      futures.append(future_lib.CommitFutureAwaitingContractedSignals(
+          jax_array_handlers._async_serialize_shardings(  # pylint: disable=protected-access
+              shardings=[a.sharding for a in arrays], infos=infos,
+              primary_host=self._primary_host,
+          ),
+          name='kd_ckpt_serialize_shardings',
+      ))
     return futures
 
   def _prepare(self, arr: jax.Array, info, arg, ext_metadata) -> '_Prepared':
@@ -270,7 +291,8 @@ class StreamingArrayHandler(jax_array_handlers.ArrayHandler):
         metadata_key=self._metadata_key, ext_metadata=ext_metadata,
     )
     return _Prepared(arr, rslices, local_shape, chunk, itemsize, spec,
-                     _with_chunk_shape(spec.json, chunk))
+                     _with_chunk_shape(spec.json, chunk), info.name,
+                     _keystr(info.keypath, info.name))
 
   async def _open(self, p: '_Prepared', info) -> ts.TensorStore:
     if self._primary_host is None or multihost.process_index() == self._primary_host:
@@ -280,6 +302,8 @@ class StreamingArrayHandler(jax_array_handlers.ArrayHandler):
 
   async def _write_array(self, p: '_Prepared', t: ts.TensorStore, in_flight) -> None:
     target_dtype = np.dtype(t.dtype.numpy_dtype)
+    if math.prod(p.local_shape) == 0:
+      return  # Zero-size: the metadata is all there is.
     for rslice in p.rslices.replica_slices:
       data = rslice.unsliced_data
       base = [slice(0, n) for n in data.shape]
@@ -294,6 +318,9 @@ class StreamingArrayHandler(jax_array_handlers.ArrayHandler):
         if host.dtype != target_dtype:
           host = host.astype(target_dtype)
         dst = _offset(tuple(rslice.index), box, p.arr.shape)
+        if self.checksums is not None:
+          self.checksums.add(p.name, integrity.box_of(dst, p.arr.shape), host,
+                             path=p.path, shape=p.arr.shape, dtype=target_dtype)
         fut = t[dst].write(host, can_reference_source_data_indefinitely=True)
         in_flight.append((fut, host.nbytes))
         del host
@@ -324,6 +351,40 @@ class _Prepared:
   itemsize: int
   spec: Any
   tspec: dict[str, Any]
+  name: str
+  path: str
+
+
+def _keystr(keypath, default: str) -> str:
+  if keypath is None:
+    return default
+  try:
+    return jax.tree_util.keystr(tuple(keypath), simple=True, separator='.')
+  except Exception:  # pylint: disable=broad-exception-caught
+    return default
+
+
+async def _directories_created() -> None:
+  """Waits until Orbax has created this save's temporary directories.
+
+  An async Orbax save (`CheckpointManager`, hence Kauldron) creates the
+  step's and items' `*.orbax-checkpoint-tmp` directories in a background
+  thread and hands the handler their paths before they exist.  Stock handlers
+  write later, in commit futures that first wait for the directory-creation
+  signals of the save's contract.  We write during `serialize`, so we wait for
+  the same signals first (as Orbax's composite handler does for blocking
+  items).  Without this, TensorStore creates the directory first, and Orbax's
+  creator then finds it, deletes it with the arrays already written, and the
+  save fails or hangs.  A synchronous save (`kd_ckpt.save`) has no such
+  signals: this returns at once.
+  """
+  operation_id = synchronization.OperationIdGenerator.get_current_operation_id()
+  signals = future_lib.AwaitableSignalsContract.get_awaitable_signals_from_contract(
+      operation_id=operation_id)
+  if signals:
+    await asyncio.to_thread(
+        future_lib.wait_for_signals, signals,
+        timeout_secs=multihost.coordination_timeout(), operation_id=operation_id)
 
 
 def _ocdbt_subdir(use_ocdbt: bool):

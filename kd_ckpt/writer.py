@@ -16,8 +16,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from absl import logging
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
+from orbax.checkpoint._src.futures import future as future_lib
 from orbax.checkpoint._src.handlers import base_pytree_checkpoint_handler
 from orbax.checkpoint._src.handlers import pytree_checkpoint_handler
 from orbax.checkpoint._src.metadata import array_metadata_store as array_metadata_store_lib
@@ -27,6 +30,7 @@ from orbax.checkpoint._src.serialization import types
 import tensorstore as ts
 
 from kd_ckpt import hostmem
+from kd_ckpt import integrity
 from kd_ckpt import plan as plan_lib
 from kd_ckpt import streaming
 
@@ -44,6 +48,25 @@ def _registry(array_handler) -> Any:
   return registry_lib.create_type_handler_registry(*pairs)
 
 
+class ChecksummedArrayHandler(type_handlers.ArrayHandler):
+  """Orbax's ArrayHandler, unchanged, whose host copies are checksummed.
+
+  The CRC32C is taken by `integrity`'s wrapper of Orbax's device-to-host
+  transfer, on the buffers Orbax then writes (no extra pass, no copy).
+  """
+
+  checksums: integrity.Checksums | None = None
+
+  async def serialize(self, values, infos, args=None):
+    sums = self.checksums
+    if sums is not None:
+      keys = integrity.register(
+          values, [i.name for i in infos],
+          [streaming._keystr(i.keypath, i.name) for i in infos], sums)  # pylint: disable=protected-access
+      self.registered_keys = getattr(self, 'registered_keys', []) + keys
+    return await super().serialize(values, infos, args)
+
+
 def array_handler_for(plan: plan_lib.SavePlan, stats: streaming.StreamStats | None = None):
   store = array_metadata_store_lib.Store()
   if plan.strategy == 'streaming':
@@ -58,7 +81,7 @@ def array_handler_for(plan: plan_lib.SavePlan, stats: streaming.StreamStats | No
         array_metadata_store=store,
     )
   assert plan.orbax is not None
-  return type_handlers.ArrayHandler(
+  return ChecksummedArrayHandler(
       use_replica_parallel=plan.orbax.use_replica_parallel,
       array_metadata_store=store,
   )
@@ -91,7 +114,8 @@ class _StreamingPyTreeHandler(base_pytree_checkpoint_handler.BasePyTreeCheckpoin
 
 
 def pytree_handler_for(
-    plan: plan_lib.SavePlan, stats: streaming.StreamStats | None = None
+    plan: plan_lib.SavePlan, stats: streaming.StreamStats | None = None,
+    array_handler=None,
 ) -> ocp.PyTreeCheckpointHandler:
   """A PyTreeCheckpointHandler configured exactly as `plan` says."""
   o = plan.orbax
@@ -119,7 +143,7 @@ def pytree_handler_for(
   impl = cls(
       use_ocdbt=USE_OCDBT,
       use_zarr3=USE_ZARR3,
-      type_handler_registry=_registry(array_handler_for(plan, stats)),
+      type_handler_registry=_registry(array_handler or array_handler_for(plan, stats)),
       **kwargs,
   )
   return pytree_checkpoint_handler.PyTreeCheckpointHandler(
@@ -148,7 +172,30 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
       self.stats = None
       return
     self.stats = streaming.StreamStats()
-    self._impl = pytree_handler_for(plan, self.stats)
+    self._array_handler = array_handler_for(plan, self.stats)
+    self._impl = pytree_handler_for(plan, self.stats, self._array_handler)
+
+  async def async_save(self, directory, item=None, save_args=None, args=None):
+    """Orbax's save, plus the CRC32C file (see `kd_ckpt.integrity`)."""
+    if self.plan is None:
+      return await super().async_save(directory, item=item, save_args=save_args, args=args)
+    tree = args.item if args is not None else item
+    sums = integrity.Checksums()
+    handler = self._array_handler
+    handler.checksums = sums
+    handler.registered_keys = []
+    if jax.process_index() == 0:  # Orbax writes host values from process 0 only.
+      _checksum_host_leaves(tree, sums)
+    futures = await super().async_save(directory, item=item, save_args=save_args, args=args)
+    target = directory.path if hasattr(directory, 'path') else directory
+
+    def finish():
+      # Runs once every write is durable, before Orbax's rename.
+      integrity.unregister(handler.registered_keys)
+      handler.checksums = None
+      sums.write(target, jax.process_index())
+
+    return [future_lib.ChainedFuture(list(futures or []), finish)]
 
   def restore(self, directory, item=None, args=None):
     impl, self._impl = self._impl, self._default_impl
@@ -156,6 +203,19 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
       return super().restore(directory, item=item, args=args)
     finally:
       self._impl = impl
+
+
+def _checksum_host_leaves(tree: Any, sums: integrity.Checksums) -> None:
+  """CRC32C of numpy and scalar leaves (Orbax stores them as zarr arrays)."""
+  names = jax.tree_util.tree_leaves(base_pytree_checkpoint_handler.get_param_names(tree))
+  flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+  if len(names) != len(flat):
+    return  # Orbax dropped some leaves (e.g. None): names would not line up.
+  for (path, x), name in zip(flat, names):
+    if isinstance(x, (np.ndarray, np.number, int, float)) and not isinstance(x, bool):
+      if isinstance(x, np.ndarray) and x.dtype == object:
+        continue
+      sums.add_whole(name, x, path=jax.tree_util.keystr(path, simple=True, separator='.'))
 
 
 @ocp.args.register_with_handler(SafePyTreeHandler, for_save=True)
@@ -168,23 +228,40 @@ class SafeRestore(ocp.args.StandardRestore):
   """`StandardRestore` for `SafePyTreeHandler`."""
 
 
-def drop_host_caches(tree: Any) -> None:
+def drop_host_caches(tree: Any) -> int:
   """Drops host copies JAX cached on the live arrays during a save.
 
   Orbax's `np.asarray(shard.data)` stores the host copy on the per-device
   array (`_npy_value`), which lives as long as the training state: the
   host RAM of a GPU/TPU save would otherwise stay taken until the next step
   donates the buffers.  Clearing the cache frees it now.
+
+  jaxlib's C++ `ArrayImpl` (0.12) refuses `_npy_value = None`; there the
+  cache cannot be dropped from Python and stays until the array dies (the
+  next train step replaces the state).  That must never fail the save, so
+  the refusal is logged once and ignored.
+
+  Returns:
+    How many cached host copies were dropped.
   """
+  dropped = 0
   for leaf in jax.tree_util.tree_leaves(tree):
     if not isinstance(leaf, jax.Array):
       continue
     for arr in [leaf, *(getattr(leaf, '_arrays', None) or [])]:
-      if getattr(arr, '_npy_value', None) is not None:
-        try:
-          arr._npy_value = None  # pylint: disable=protected-access
-        except AttributeError:
-          pass
+      if getattr(arr, '_npy_value', None) is None:
+        continue
+      try:
+        arr._npy_value = None  # pylint: disable=protected-access
+        dropped += 1
+      except (AttributeError, TypeError) as e:
+        logging.log_first_n(
+            logging.WARNING,
+            'kd_ckpt: cannot drop the host copy JAX cached on a live array'
+            ' (%s); it is freed when the array is (the next train step).', 1,
+            f'{type(e).__name__}')
+        return dropped
+  return dropped
 
 
 def after_save(tree: Any) -> None:

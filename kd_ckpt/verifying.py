@@ -1,0 +1,208 @@
+"""Verify: re-read a checkpoint within a budget and check every recorded CRC32C.
+
+Each box a save recorded (see `kd_ckpt.integrity`) is read back through
+TensorStore in pieces of at most the budget's slice size, in C order, so the
+running CRC32C equals the one taken at save time without ever holding the box.
+
+Example:
+
+  report = kd_ckpt.verify('/ckpt/step_100', host_ram_budget='256MiB')
+  print(report)            # one row per leaf: ok / CORRUPT / unreadable
+  if not report.ok:
+    raise SystemExit(1)
+
+  # or on the command line (exit status 1 when any leaf is corrupt):
+  #   python -m kd_ckpt verify /ckpt/step_100
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Any
+
+from etils import epath
+import numpy as np
+
+from kd_ckpt import budget as budget_lib
+from kd_ckpt import hostmem
+from kd_ckpt import integrity
+from kd_ckpt import restoring
+
+
+class CorruptCheckpointError(ValueError):
+  """A checkpoint's bytes do not match the checksums recorded when it was saved."""
+
+
+class NoChecksumsError(ValueError):
+  """The checkpoint has no kd_ckpt checksums (saved by stock Orbax or older kd_ckpt)."""
+
+
+OK, CORRUPT, UNREADABLE, INCOMPLETE = 'ok', 'CORRUPT', 'unreadable', 'incomplete'
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafCheck:
+  """One stored array: `status` is ok, CORRUPT, unreadable or incomplete."""
+
+  name: str
+  path: str
+  status: str
+  checked_bytes: int
+  detail: str = ''
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyReport:
+  """Every leaf's check; `str()` is a table, `ok` is the verdict."""
+
+  directory: str
+  leaves: tuple[LeafCheck, ...]
+  seconds: float
+  peak_extra_bytes: int
+
+  @property
+  def ok(self) -> bool:
+    return all(l.status == OK for l in self.leaves)
+
+  @property
+  def bad(self) -> tuple[LeafCheck, ...]:
+    return tuple(l for l in self.leaves if l.status != OK)
+
+  @property
+  def checked_bytes(self) -> int:
+    return sum(l.checked_bytes for l in self.leaves)
+
+  def to_json_dict(self) -> dict[str, Any]:
+    d = dataclasses.asdict(self)
+    d['ok'] = self.ok
+    return d
+
+  def summary(self) -> str:
+    verdict = 'all OK' if self.ok else f'{len(self.bad)} BAD: ' + ', '.join(
+        l.path for l in self.bad[:5]) + (' ...' if len(self.bad) > 5 else '')
+    return (f'{len(self.leaves)} leaves, {hostmem.format_bytes(self.checked_bytes)}'
+            f' checked in {self.seconds:.2f} s: {verdict}')
+
+  def __str__(self) -> str:
+    rows = [('leaf', 'bytes', 'status', 'detail')]
+    rows += [(l.path, hostmem.format_bytes(l.checked_bytes), l.status, l.detail)
+             for l in self.leaves]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [f'verify {self.directory}: {self.summary()}']
+    for r in rows:
+      lines.append('  '.join(c.ljust(w) for c, w in zip(r[:3], widths)) + ('  ' + r[3] if r[3] else ''))
+    return '\n'.join(lines)
+
+
+def _read(t, box: integrity.Box, dtype: np.dtype) -> np.ndarray:
+  data = t[tuple(slice(a, b) for a, b in box)].read().result()
+  return data if data.dtype == dtype else data.astype(dtype)
+
+
+def _crc_box(t, box: integrity.Box, dtype: np.dtype, limit: int, crc: int = 0, axis: int = 0) -> int:
+  """CRC32C of `box` in C order, reading pieces of at most ~`limit` bytes.
+
+  Dims before `axis` are one index wide, so concatenating the pieces along
+  `axis` in order gives the box's C-order bytes.
+  """
+  dims = [b - a for a, b in box]
+  if math.prod(dims) * dtype.itemsize <= limit or axis >= len(box):
+    return integrity.crc32c(_read(t, box, dtype), crc)
+  inner = math.prod(dims[axis + 1:]) * dtype.itemsize
+  a0, b0 = box[axis]
+  if inner <= limit:
+    step = max(1, limit // max(1, inner))
+    for s in range(a0, b0, step):
+      piece = box[:axis] + ((s, min(b0, s + step)),) + box[axis + 1:]
+      crc = integrity.crc32c(_read(t, piece, dtype), crc)
+    return crc
+  for s in range(a0, b0):
+    crc = _crc_box(t, box[:axis] + ((s, s + 1),) + box[axis + 1:], dtype, limit, crc, axis + 1)
+  return crc
+
+
+def check_leaf(directory: epath.Path, rec: integrity.LeafRecord, limit: int) -> LeafCheck:
+  """Re-reads every recorded box of one array and compares CRCs."""
+  dtype = np.dtype(rec.dtype)
+  try:
+    t = restoring.open_array(directory, rec.name)
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    return LeafCheck(rec.name, rec.path, UNREADABLE, 0, f'cannot open: {_short(e)}')
+  if tuple(t.shape) != tuple(rec.shape):
+    return LeafCheck(rec.name, rec.path, CORRUPT, 0,
+                     f'stored shape {tuple(t.shape)} != recorded {tuple(rec.shape)}')
+  checked = 0
+  for box, want in rec.boxes:
+    try:
+      got = _crc_box(t, box, dtype, limit)
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      return LeafCheck(rec.name, rec.path, UNREADABLE, checked,
+                       f'read of box {_box_text(box)} failed: {_short(e)}')
+    if got != want:
+      return LeafCheck(rec.name, rec.path, CORRUPT, checked,
+                       f'box {_box_text(box)}: crc32c {got:08x} != saved {want:08x}')
+    checked += math.prod(b - a for a, b in box) * dtype.itemsize
+  volume = math.prod(rec.shape) * dtype.itemsize
+  # Boxes of one array never overlap (each byte has one writer), so a sum
+  # short of the volume means a process's checksum file is missing.
+  if checked < volume:
+    return LeafCheck(rec.name, rec.path, INCOMPLETE, checked,
+                     f'checksums cover {checked} of {volume} bytes (a process file missing?)')
+  return LeafCheck(rec.name, rec.path, OK, checked)
+
+
+def verify(
+    directory: str | os.PathLike[str],
+    *,
+    host_ram_budget: budget_lib.BudgetLike = 'auto',
+) -> VerifyReport:
+  """Re-reads a kd_ckpt checkpoint and checks every leaf against its CRC32C.
+
+  Args:
+    directory: the checkpoint folder (`kd_ckpt.save`'s directory, or a
+      Kauldron step's item folder `ckpt_N/default`).
+    host_ram_budget: extra host RAM the re-read may use.
+
+  Returns:
+    A VerifyReport; `report.ok` is False when any leaf is corrupt,
+    unreadable or not fully covered.
+
+  Raises:
+    FileNotFoundError: nothing at `directory`.
+    NoChecksumsError: the checkpoint has no kd_ckpt checksums.
+  """
+  path = epath.Path(directory)
+  if not path.is_dir():
+    raise FileNotFoundError(f'No checkpoint at {os.fspath(directory)!r}.')
+  if not integrity.has_checksums(path):
+    raise NoChecksumsError(
+        f'{os.fspath(directory)!r} has no kd_ckpt checksums'
+        f' ({integrity.FILE_PREFIX}.process_*.json): it was saved by stock Orbax'
+        ' or by a kd_ckpt without checksums, so there is nothing to verify'
+        ' against. For a Kauldron step, pass its item folder (ckpt_N/default).'
+    )
+  budget_bytes = budget_lib.resolve(budget_lib.parse(host_ram_budget), hostmem.probe())
+  limit = restoring.restore_slice_bytes(budget_bytes)
+  hostmem.use_mmap_for_large_buffers()
+  hostmem.release_free_memory()
+  with hostmem.PeakRss() as peak:
+    start = time.monotonic()
+    records = integrity.read(path)
+    checks = []
+    for rec in sorted(records.values(), key=lambda r: r.path):
+      checks.append(check_leaf(path, rec, limit))
+    seconds = time.monotonic() - start
+  hostmem.release_free_memory()
+  return VerifyReport(os.fspath(directory), tuple(checks), seconds, peak.extra_bytes)
+
+
+def _box_text(box: integrity.Box) -> str:
+  return '[' + ', '.join(f'{a}:{b}' for a, b in box) + ']'
+
+
+def _short(e: BaseException) -> str:
+  text = f'{type(e).__name__}: {e}'.replace('\n', ' ')
+  return text if len(text) < 200 else text[:197] + '...'

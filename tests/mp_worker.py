@@ -1,0 +1,271 @@
+"""One process of the multi-process tests (tests/test_multiprocess.py).
+
+  python -m tests.mp_worker save    WORKDIR STRATEGY BUDGET PROCESS_ID NUM_PROCESSES PORT
+  python -m tests.mp_worker restore WORKDIR...
+
+`save`: one of NUM_PROCESSES JAX processes (4 fake CPU devices each) joined by
+`jax.distributed.initialize` on 127.0.0.1:PORT.  Every process builds the
+same global state on a mesh over all global devices, saves it with
+`kd_ckpt.SafeCheckpointer` at step 1, restores it (through the checkpointer
+and through `kd_ckpt.restore`) and checks its own shards bit-exact.
+
+`restore`: a single process (8 fake CPU devices) restores those checkpoints
+onto a different mesh, through `kd_ckpt.restore`, stock Orbax and the
+checkpointer, and checks every leaf bit-exact against the deterministic state.
+
+Each prints one JSON line last.  The values are a hash of the global element
+index, so any process can compute any slice without communicating.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+MiB = 1 << 20
+CKPT_STEP = 1
+# name: (shape, dtype, sharding kind, seed).  'x8': split over all 8 global
+# devices; 'rep': replicated on all 8 (4 replicas on each process);
+# 'b_rep_a': split 4 ways over mesh axis 'b', replicated over 'a' -- the two
+# replicas of each shard live on different processes.
+LEAVES = {
+    'replicated': ((4096, 2048), 'float32', 'rep', 1),      # 32 MiB
+    'sharded': ((8192, 2048), 'float32', 'x8', 2),          # 64 MiB
+    'bf16': ((4096, 2048), 'bfloat16', 'b_rep_a', 3),       # 16 MiB
+    'scalar': ((), 'float32', 'rep', 4),
+    'count': ((), 'int32', 'rep', 5),
+}
+
+
+def _dtype(name: str):
+  import ml_dtypes  # pylint: disable=g-import-not-at-top
+  return np.dtype(ml_dtypes.bfloat16) if name == 'bfloat16' else np.dtype(name)
+
+
+def values(shape, dtype_name: str, seed: int, index=None) -> np.ndarray:
+  """The slice `index` of leaf (shape, dtype, seed): a hash of the flat index."""
+  index = index if index is not None else tuple(slice(None) for _ in shape)
+  ranges = [np.arange(n, dtype=np.uint32)[s] for s, n in zip(index, shape)]
+  x = np.full([len(r) for r in ranges], np.uint32(seed * 0x9E3779B9 % 2**32))
+  stride = 1
+  for axis in reversed(range(len(shape))):  # + flat index; uint32 wraps
+    x += ranges[axis].reshape([-1] + [1] * (len(shape) - 1 - axis)) * np.uint32(stride)
+    stride *= shape[axis]
+  x *= np.uint32(2654435761)
+  x ^= x >> np.uint32(15)
+  x *= np.uint32(0x85EBCA6B)
+  x ^= x >> np.uint32(13)
+  bits = x
+  dtype = _dtype(dtype_name)
+  if dtype == np.float32:  # finite, sign and 23 random mantissa bits
+    return ((bits & 0x807FFFFF) | 0x3F800000).view(np.float32)
+  if dtype.itemsize == 2:  # bfloat16, likewise
+    return (((bits >> 16) & 0x807F) | 0x3F80).astype(np.uint16).view(dtype)
+  return bits.view(np.int32).astype(dtype)
+
+
+def _shardings(devices, kind: str):
+  import jax  # pylint: disable=g-import-not-at-top
+  P, NS = jax.sharding.PartitionSpec, jax.sharding.NamedSharding  # pylint: disable=invalid-name
+  devs = np.array(devices)
+  m1 = jax.sharding.Mesh(devs.reshape(len(devs)), ('x',))
+  m2 = jax.sharding.Mesh(devs.reshape(2, len(devs) // 2), ('a', 'b'))
+  return {'rep': NS(m1, P()), 'x8': NS(m1, P('x')), 'b_rep_a': NS(m2, P('b'))}[kind]
+
+
+def build_state():
+  """The global state, built shard by shard on this process's devices."""
+  import jax  # pylint: disable=g-import-not-at-top
+  tree = {}
+  for name, (shape, dt, kind, seed) in LEAVES.items():
+    sharding = _shardings(jax.devices(), kind)
+    tree[name] = jax.make_array_from_callback(
+        shape, sharding, lambda idx, s=shape, d=dt, sd=seed: values(s, d, sd, idx))
+  return jax.block_until_ready(tree)
+
+
+def check_shards(tree, label: str) -> None:
+  """Every addressable shard of every leaf equals the deterministic values."""
+  for name, (shape, dt, _, seed) in LEAVES.items():
+    leaf = tree[name]
+    assert leaf.shape == shape and np.dtype(leaf.dtype) == _dtype(dt), (label, name)
+    for shard in leaf.addressable_shards:
+      got = np.asarray(shard.data)
+      want = values(shape, dt, seed, shard.index)
+      if got.tobytes() != want.tobytes():
+        raise AssertionError(f'{label}: leaf {name!r} shard {shard.index} differs')
+
+
+def _kvstore(path: str):
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+  return ts.KvStore.open({
+      'driver': 'ocdbt', 'base': {'driver': 'file', 'path': os.path.join(path, '')},
+  }).result()
+
+
+def per_process_writes(item_dir: str) -> dict:
+  """{process db: {leaf: {'chunks': [keys], 'raw_bytes', 'stored_bytes'}}}.
+
+  Each process writes its part of every array into its own OCDBT database,
+  `ocdbt.process_<i>`; Orbax's finalize merges their manifests into the root
+  database and leaves the per-process databases (and their data) in place.
+  So what each process wrote is what its database holds.  `raw_bytes` is the
+  uncompressed size of its chunks, from the grid in the root's `.zarray`.
+  """
+  root = _kvstore(item_dir)
+  grids = {}
+  for key in root.list().result():
+    leaf, _, rest = key.decode().partition('/')
+    if rest == '.zarray':
+      meta = json.loads(root.read(key).result().value)
+      grids[leaf] = (meta['shape'], meta['chunks'], np.dtype(meta['dtype']).itemsize)
+  out = {}
+  for sub in sorted(os.listdir(item_dir)):
+    if not sub.startswith('ocdbt.process_'):
+      continue
+    kv = _kvstore(os.path.join(item_dir, sub))
+    per_leaf = {}
+    for key in kv.list().result():
+      leaf, _, rest = key.decode().partition('/')
+      if rest.startswith('.'):  # .zarray / .zattrs: metadata, not data
+        continue
+      shape, chunks, itemsize = grids[leaf]
+      pos = [int(i) for i in rest.split('.')] if shape else []
+      raw = itemsize * int(np.prod(
+          [min(c, n - i * c) for i, c, n in zip(pos, chunks, shape)]))
+      d = per_leaf.setdefault(leaf, {'chunks': [], 'raw_bytes': 0, 'stored_bytes': 0})
+      d['chunks'].append(rest)
+      d['raw_bytes'] += raw
+      d['stored_bytes'] += len(kv.read(key).result().value)
+    out[sub] = per_leaf
+  return out
+
+
+def _state_class():
+  from kauldron import kd  # pylint: disable=g-import-not-at-top
+  import flax  # pylint: disable=g-import-not-at-top
+
+  @flax.struct.dataclass
+  class State(kd.ckpts.items.StandardCheckpointItem):
+    params: dict
+
+  return State
+
+
+def _save(argv) -> dict:
+  workdir, strategy, budget, pid, nproc, port = argv
+  pid, nproc = int(pid), int(nproc)
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.distributed.initialize(
+      coordinator_address=f'127.0.0.1:{port}', num_processes=nproc, process_id=pid,
+      initialization_timeout=120)
+  assert jax.process_index() == pid and jax.process_count() == nproc
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  import kd_ckpt  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import hostmem  # pylint: disable=g-import-not-at-top
+
+  State = _state_class()  # pylint: disable=invalid-name
+  t0 = time.monotonic()
+  state = State(params=build_state())
+  out = {'process_index': pid, 'local_devices': len(jax.local_devices()),
+         'global_devices': jax.device_count(), 'build_secs': time.monotonic() - t0}
+  # A training job has run cross-process computations long before its first
+  # save; the first one sets up the CPU collectives (~27 MiB, once).
+  multihost_utils.sync_global_devices('kd_ckpt_mp_test_warm_up')
+
+  ckpt = kd_ckpt.SafeCheckpointer(
+      workdir=workdir, save_interval_steps=1, host_ram_budget=int(budget),
+      strategy=strategy)
+  hostmem.release_free_memory()
+  # The report's peak ends when save() returns, while an async Orbax save
+  # goes on writing in the background: this outer measure lasts until the
+  # step is committed on every process.  (The report's PeakRss resets VmHWM
+  # when its save starts, so the planning before that counts here only by
+  # what it leaves resident.)
+  with hostmem.PeakRss() as whole:
+    t0 = time.monotonic()
+    saved = ckpt.save(state, step=CKPT_STEP)
+    ckpt.wait_until_finished()
+    out['save_secs'] = time.monotonic() - t0
+  assert saved is not False
+  out['report'] = ckpt.reports[-1].to_json_dict()
+  out['whole_save_peak_extra_bytes'] = whole.extra_bytes
+  out['whole_save_exact'] = whole.exact
+  handler = ckpt._ckpt_mgr.safe_handlers()['default']  # pylint: disable=protected-access
+  out['stream_bytes_written'] = handler.stats.bytes_written if handler.stats else None
+
+  multihost_utils.sync_global_devices('kd_ckpt_mp_test_saved')
+  step_dir = os.path.join(workdir, 'checkpoints', f'ckpt_{CKPT_STEP}')
+  if pid == 0:
+    out['per_process_writes'] = per_process_writes(os.path.join(step_dir, 'default'))
+    out['step_dir_files'] = sorted(os.listdir(step_dir))
+
+  # Restore on every process, into the saved shardings: Kauldron's path
+  # (Orbax's CheckpointManager) and kd_ckpt's budgeted reader.
+  abstract = State(params=jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state.params))
+  back = ckpt.restore(abstract, step=CKPT_STEP)
+  check_shards(back.params, 'SafeCheckpointer.restore')
+  del back
+  back = kd_ckpt.restore(os.path.join(step_dir, 'default'), abstract,
+                         host_ram_budget=int(budget))
+  check_shards(back.params, 'kd_ckpt.restore')
+  del back
+  ckpt.close()
+  multihost_utils.sync_global_devices('kd_ckpt_mp_test_restored')
+  return out
+
+
+def _restore(workdirs) -> dict:
+  """One process, 8 devices, another mesh: three readers, every leaf checked."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  import kd_ckpt  # pylint: disable=g-import-not-at-top
+  P, NS = jax.sharding.PartitionSpec, jax.sharding.NamedSharding  # pylint: disable=invalid-name
+  assert jax.process_count() == 1 and jax.device_count() == 8
+  mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ('u', 'v'))
+  new = {  # Every leaf laid out differently from the save.
+      'replicated': NS(mesh, P('v', 'u')),
+      'sharded': NS(mesh, P(None, ('u', 'v'))),
+      'bf16': NS(mesh, P()),
+      'scalar': NS(mesh, P()),
+      'count': jax.sharding.SingleDeviceSharding(jax.devices()[3]),
+  }
+  # The saved item is a `State(params=...)`: same names as {'params': ...}.
+  params = {k: jax.ShapeDtypeStruct(shape, _dtype(dt), sharding=new[k])
+            for k, (shape, dt, _, _) in LEAVES.items()}
+  expected = {k: values(shape, dt, seed).tobytes()
+              for k, (shape, dt, _, seed) in LEAVES.items()}
+  State = _state_class()  # pylint: disable=invalid-name
+  done = []
+  for workdir in workdirs:
+    item = os.path.join(workdir, 'checkpoints', f'ckpt_{CKPT_STEP}', 'default')
+    readers = {
+        'kd_ckpt.restore': lambda: kd_ckpt.restore(
+            item, {'params': params}, host_ram_budget=64 * MiB)['params'],
+        'ocp.StandardCheckpointer': lambda: ocp.StandardCheckpointer().restore(
+            item, {'params': params})['params'],
+        'SafeCheckpointer.restore': lambda: kd_ckpt.SafeCheckpointer(
+            workdir=workdir, save_interval_steps=1).restore(
+                State(params=params), step=CKPT_STEP).params,
+    }
+    for label, read in readers.items():
+      back = read()
+      for k, (shape, dt, _, _) in LEAVES.items():
+        assert back[k].sharding.is_equivalent_to(new[k], len(shape)), (label, k, back[k].sharding)
+        got = np.asarray(back[k])
+        if got.dtype != _dtype(dt) or got.tobytes() != expected[k]:
+          raise AssertionError(f'{workdir}: {label}: leaf {k!r} differs')
+      del back
+      done.append(f'{workdir}: {label}')
+  return {'checked': done}
+
+
+if __name__ == '__main__':
+  mode, rest = sys.argv[1], sys.argv[2:]
+  result = {'save': _save, 'restore': _restore}[mode](rest)
+  print(json.dumps(result))

@@ -1,0 +1,133 @@
+"""CRC32C checksums: recorded by every kd_ckpt save, checked by `verify`."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import kd_ckpt
+from kd_ckpt import integrity
+from kd_ckpt import verifying
+from tests import states
+
+P, NS = states.P, states.NS
+
+
+def _tree():
+  m1, m2 = states.meshes()
+  return {
+      'big': states.filled((1024, 1024), NS(m1, P('x'))),            # 4 MiB, sharded
+      'rep': states.filled((256, 256), NS(m1, P()), jnp.bfloat16, 1),  # replicated
+      'grid': states.filled((64, 128), NS(m2, P('a', 'b')), jnp.int8, 2),
+      'flag': jnp.ones((7,), bool),
+      'step': jnp.int32(12),                                           # 0-d
+      'host': np.arange(10, dtype=np.float64),
+      'lr': 0.5,
+  }
+
+
+def _cli(*args):
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  return subprocess.run([sys.executable, '-m', 'kd_ckpt', *args], cwd=states.REPO,
+                        env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize('strategy', ['streaming', 'orbax'])
+def test_every_leaf_is_checksummed_and_verifies(tmp_path, strategy):
+  tree = _tree()
+  d = tmp_path / 'ckpt'
+  kd_ckpt.save(d, tree, host_ram_budget='64MiB', strategy=strategy)
+  files = sorted(p.name for p in d.iterdir() if p.name.startswith(integrity.FILE_PREFIX))
+  assert files == ['kd_ckpt_checksums.process_0.json']
+  report = kd_ckpt.verify(d, host_ram_budget='64MiB')
+  assert report.ok, str(report)
+  assert {l.path for l in report.leaves} == set(tree)
+  # Every byte of every leaf is covered, exactly once.
+  nbytes = {k: np.asarray(v).nbytes for k, v in tree.items()}
+  assert {l.path: l.checked_bytes for l in report.leaves} == nbytes
+  assert 'big' in str(report) and 'ok' in str(report)
+  # Orbax's files are untouched by ours: stock Orbax restores bit-exact.
+  back = ocp.StandardCheckpointer().restore(d, tree)
+  for k in tree:
+    np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(tree[k]))
+
+
+def test_checksum_matches_an_independent_crc_of_the_logical_bytes(tmp_path):
+  tree = {'w': states.filled((512, 256), NS(states.meshes()[0], P('x')))}
+  d = tmp_path / 'ckpt'
+  kd_ckpt.save(d, tree, host_ram_budget='64MiB', strategy='streaming')
+  rec = integrity.read(d)['w']
+  host = np.asarray(tree['w'])
+  for box, crc in rec.boxes:
+    piece = host[tuple(slice(a, b) for a, b in box)]
+    import google_crc32c  # pylint: disable=g-import-not-at-top
+    assert crc == google_crc32c.value(piece.tobytes())
+
+
+def _flip_a_byte_of_the_biggest_data_file(d: pathlib.Path) -> pathlib.Path:
+  data = max((p for p in d.rglob('*') if p.is_file() and '/d/' in p.as_posix()),
+             key=lambda p: p.stat().st_size)
+  raw = bytearray(data.read_bytes())
+  raw[len(raw) // 2] ^= 0x5A
+  data.write_bytes(bytes(raw))
+  return data
+
+
+@pytest.mark.parametrize('strategy', ['streaming', 'orbax'])
+def test_flipped_byte_is_found_and_named(tmp_path, strategy):
+  tree = _tree()
+  d = tmp_path / 'ckpt'
+  kd_ckpt.save(d, tree, host_ram_budget='64MiB', strategy=strategy)
+  _flip_a_byte_of_the_biggest_data_file(d)
+
+  report = kd_ckpt.verify(d, host_ram_budget='64MiB')
+  assert not report.ok
+  by_path = {l.path: l for l in report.leaves}
+  # 'big' is 4 MiB of noise; the biggest data file's middle is in it.
+  assert by_path['big'].status in (verifying.CORRUPT, verifying.UNREADABLE), str(report)
+  assert all(l.status == verifying.OK for p, l in by_path.items() if p != 'big'), str(report)
+
+  cli = _cli('verify', str(d), '--host-ram-budget=64MiB')
+  assert cli.returncode == 1, cli.stderr[-2000:]
+  assert 'big' in cli.stdout and ('CORRUPT' in cli.stdout or 'unreadable' in cli.stdout)
+
+  with pytest.raises(kd_ckpt.CorruptCheckpointError, match='big'):
+    kd_ckpt.restore(d, jax.eval_shape(lambda: tree), verify=True)
+
+
+def test_verify_cli_ok_and_json(tmp_path):
+  d = tmp_path / 'ckpt'
+  kd_ckpt.save(d, _tree(), host_ram_budget='64MiB', strategy='streaming')
+  cli = _cli('verify', str(d), '--json')
+  assert cli.returncode == 0, cli.stderr[-2000:]
+  out = json.loads(cli.stdout)
+  assert out['ok'] and len(out['leaves']) == 7
+
+
+def test_missing_process_file_is_reported_incomplete(tmp_path):
+  d = tmp_path / 'ckpt'
+  kd_ckpt.save(d, _tree(), host_ram_budget='64MiB', strategy='streaming')
+  f = d / integrity.file_name(0)
+  data = json.loads(f.read_text())
+  data['leaves']['big']['boxes'] = data['leaves']['big']['boxes'][:-1]
+  f.write_text(json.dumps(data))
+  report = kd_ckpt.verify(d)
+  assert {l.path: l.status for l in report.bad} == {'big': verifying.INCOMPLETE}
+
+
+def test_stock_orbax_checkpoint_has_nothing_to_verify(tmp_path):
+  d = tmp_path / 'stock'
+  ckptr = ocp.StandardCheckpointer()
+  ckptr.save(d, {'w': jnp.ones((4,))})
+  ckptr.wait_until_finished()
+  with pytest.raises(kd_ckpt.NoChecksumsError, match='stock Orbax'):
+    kd_ckpt.verify(d)
+  cli = _cli('verify', str(d))
+  assert cli.returncode == 2 and 'no kd_ckpt checksums' in cli.stderr

@@ -1,0 +1,218 @@
+"""Two JAX processes, one global mesh: SafeCheckpointer on both strategies.
+
+Two processes on 127.0.0.1 join through `jax.distributed.initialize` (CPU, 4
+fake devices each) and build one state on a mesh over all 8 devices
+(tests/mp_worker.py): a leaf replicated on every device, one split over all
+8, a bf16 leaf whose two replicas live on different processes, and two 0-d
+leaves.  Each process saves it with `kd_ckpt.SafeCheckpointer` under its own
+64 MiB budget, restores it and checks its shards bit-exact.  Then a single
+process with 8 devices restores both checkpoints onto another mesh through
+kd_ckpt, stock Orbax and the checkpointer.
+
+What each process wrote is read back from its own OCDBT database
+(`ocdbt.process_<i>`), which Orbax keeps after merging the manifests.
+
+About a minute on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from kd_ckpt import estimate as estimate_lib
+from kd_ckpt import plan as plan_lib
+from tests import mp_worker
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+MiB = 1 << 20
+BUDGET = 64 * MiB
+NUM_PROCESSES = 2
+TIMEOUT_SECS = 150
+STRATEGIES = ('streaming', 'orbax')
+
+
+def _limit(budget):  # as in tests/test_streaming.py
+  return budget * 1.10 + 32 * MiB
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('127.0.0.1', 0))
+    return s.getsockname()[1]
+
+
+def _run(arg_lists, *, devices: int, log_dir: pathlib.Path) -> list[dict]:
+  """Runs `python -m tests.mp_worker ARGS` once per arg list, side by side.
+
+  If one fails the others are killed at once (they would wait at Orbax's
+  barriers for minutes); the test fails with the logs' tails.
+  """
+  env = {
+      **os.environ,
+      'XLA_FLAGS': f'--xla_force_host_platform_device_count={devices}',
+      'JAX_PLATFORMS': 'cpu',
+      'PYTHONPATH': str(REPO) + os.pathsep + os.environ.get('PYTHONPATH', ''),
+  }
+  log_dir.mkdir(parents=True, exist_ok=True)
+  procs = []
+  for i, args in enumerate(arg_lists):
+    out, err = log_dir / f'{i}.out', log_dir / f'{i}.err'
+    with out.open('w') as o, err.open('w') as e:
+      procs.append((subprocess.Popen(
+          [sys.executable, '-m', 'tests.mp_worker', *args],
+          cwd=REPO, env=env, stdout=o, stderr=e), out, err))
+  deadline = time.monotonic() + TIMEOUT_SECS
+  while True:
+    codes = [p.poll() for p, _, _ in procs]
+    if all(c == 0 for c in codes):
+      break
+    if any(c not in (None, 0) for c in codes) or time.monotonic() > deadline:
+      for p, _, _ in procs:
+        if p.poll() is None:
+          p.kill()
+          p.wait()
+      tails = '\n'.join(
+          f'--- process {i} (exit {p.returncode}), {err}:\n'
+          + '\n'.join(l[:300] for l in err.read_text().splitlines()[-25:])
+          for i, (p, _, err) in enumerate(procs))
+      pytest.fail(f'worker failed or timed out:\n{tails}', pytrace=False)
+    time.sleep(0.2)
+  return [json.loads(out.read_text().strip().splitlines()[-1]) for _, out, _ in procs]
+
+
+@pytest.fixture(scope='module')
+def saves(tmp_path_factory) -> dict[str, tuple[pathlib.Path, list[dict]]]:
+  """strategy -> (workdir, [process 0's result, process 1's result])."""
+  out = {}
+  for strategy in STRATEGIES:
+    root = tmp_path_factory.mktemp(f'mp_{strategy}')
+    port = _free_port()
+    results = _run(
+        [['save', str(root / 'workdir'), strategy, str(BUDGET), str(i),
+          str(NUM_PROCESSES), str(port)] for i in range(NUM_PROCESSES)],
+        devices=4, log_dir=root / 'logs')
+    for r in results:
+      rep = r['report']
+      print(f"{strategy} process {r['process_index']}: peak extra RSS"
+            f" {rep['peak_extra_bytes'] / MiB:.1f} MiB (whole save"
+            f" {r['whole_save_peak_extra_bytes'] / MiB:.1f} MiB) of budget"
+            f" {rep['budget_bytes'] / MiB:.0f} MiB, predicted"
+            f" {rep['predicted_peak_bytes'] / MiB:.1f} MiB, {rep['settings']},"
+            f" wrote {rep['bytes_written'] / MiB:.2f} MiB in {r['save_secs']:.1f} s")
+    out[strategy] = (root / 'workdir', results)
+  return out
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.parametrize('strategy', STRATEGIES)
+def test_each_process_saves_within_its_budget(saves, strategy):
+  _, results = saves[strategy]
+  assert [r['process_index'] for r in results] == [0, 1]
+  for r in results:
+    assert r['local_devices'] == 4 and r['global_devices'] == 8
+    rep = r['report']
+    assert rep['strategy'] == strategy
+    assert rep['budget_bytes'] == BUDGET  # the per-host budget, not shared
+    assert rep['exact_peak'] and r['whole_save_exact']
+    # The report's peak, and the peak until the step is committed everywhere.
+    assert rep['peak_extra_bytes'] <= _limit(BUDGET), r
+    assert r['whole_save_peak_extra_bytes'] <= _limit(BUDGET), r
+  # Both processes wrote with the same settings: they share the arrays.
+  assert len({r['report']['settings'] for r in results}) == 1
+  if strategy == 'orbax':
+    assert 'replica-parallel' in results[0]['report']['settings']
+  # Process 0 alone writes the report, once the step is committed.
+  assert 'kd_ckpt_report.json' in results[0]['step_dir_files']
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.parametrize('strategy', STRATEGIES)
+def test_replicated_leaves_are_split_between_processes(saves, strategy):
+  _, results = saves[strategy]
+  writes = results[0]['per_process_writes']
+  assert sorted(writes) == ['ocdbt.process_0', 'ocdbt.process_1']
+  p0, p1 = writes['ocdbt.process_0'], writes['ocdbt.process_1']
+  for name, (shape, dt, _, _) in mp_worker.LEAVES.items():
+    leaf = f'params.{name}'
+    nbytes = int(np.prod(shape)) * mp_worker._dtype(dt).itemsize  # pylint: disable=protected-access
+    mine = [p.get(leaf, {'chunks': [], 'raw_bytes': 0}) for p in (p0, p1)]
+    # Every chunk written once, by one process: complete, never twice.
+    assert not set(mine[0]['chunks']) & set(mine[1]['chunks']), leaf
+    assert mine[0]['raw_bytes'] + mine[1]['raw_bytes'] == nbytes, leaf
+    if shape:
+      # Replicated or not, each process wrote its half.
+      assert mine[0]['raw_bytes'] == mine[1]['raw_bytes'] == nbytes // 2, (leaf, mine)
+  for r, db in zip(results, (p0, p1)):
+    on_disk = sum(v['raw_bytes'] for v in db.values())
+    # The plan knew what this host would write.
+    assert r['report']['bytes_written'] == on_disk, r
+    if strategy == 'streaming':
+      assert r['stream_bytes_written'] == on_disk, r
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_one_process_restores_on_another_mesh(saves, tmp_path):
+  workdirs = [str(saves[s][0]) for s in STRATEGIES]
+  (r,) = _run([['restore', *workdirs]], devices=8, log_dir=tmp_path / 'logs')
+  assert len(r['checked']) == 3 * len(workdirs)
+
+
+# --- the processes agree on one plan (no processes needed) ---------------------
+
+def _est(process_index: int) -> estimate_lib.TreeEstimate:
+  """The estimate each of 2 processes makes of a leaf replicated on 8 devices.
+
+  Replica 0 of every shard is on process 0: without replica parallelism it
+  writes everything and process 1 nothing.
+  """
+  full = 32 * MiB
+  return estimate_lib.TreeEstimate(
+      leaves=(estimate_lib.LeafEstimate(
+          path='w', shape=(4096, 2048), dtype='float32', global_bytes=full,
+          shard_bytes=full, num_replicas=8,
+          write_bytes=full if process_index == 0 else 0,
+          write_bytes_replica_parallel=full // 2, replica_parallel_applies=True),),
+      platform='cpu', process_index=process_index, process_count=2)
+
+
+def test_processes_agree_on_the_plan(monkeypatch):
+  """Each process ranks by the busiest host, fits only where all fit."""
+  budget = 64 * MiB
+  sent = {}
+
+  def exchange(me):
+    def all_processes(values):
+      sent[me] = np.asarray(values, dtype=np.int64)
+      if (1 - me) not in sent:  # The other process has not planned yet.
+        return sent[me][None]
+      return np.stack([sent[0], sent[1]])
+    return all_processes
+
+  # Alone, each would choose differently: process 1 writes least without
+  # replica parallelism (and gets zstd too), process 0 with it.
+  alone = [plan_lib.plan_from_estimate(
+      estimate_lib.TreeEstimate(_est(i).leaves, 'cpu'), budget_bytes=budget,
+      strategy='orbax') for i in (0, 1)]
+  assert alone[0].orbax != alone[1].orbax
+  # Together: one exchange, one choice.
+  plans = {}
+  for me in (1, 0, 1):  # process 1 first sees only itself; then both
+    monkeypatch.setattr(plan_lib, 'all_processes', exchange(me))
+    plans[me] = plan_lib.plan_from_estimate(_est(me), budget_bytes=budget, strategy='orbax')
+  assert plans[0].orbax == plans[1].orbax
+  assert plans[0].orbax.use_replica_parallel
+  assert plans[0].strategy == plans[1].strategy == 'orbax'
+  for c0, c1 in zip(plans[0].candidates, plans[1].candidates):
+    assert (c0.fits, c0.orbax, c0.worst_peak_bytes) == (c1.fits, c1.orbax, c1.worst_peak_bytes)
