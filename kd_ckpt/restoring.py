@@ -43,23 +43,33 @@ def _update(buf, piece, starts):
   return jax.lax.dynamic_update_slice(buf, piece, tuple(starts))
 
 
-def open_array(directory, name: str) -> ts.TensorStore:
+def read_context() -> ts.Context:
+  """One TensorStore context for all the leaves of a read.
+
+  OCDBT reads its manifest and B-tree nodes once per context: a context per
+  leaf re-read them for every leaf (measured 17 ms/leaf for 10,000 leaves).
+  """
+  return ts_utils.get_ts_context(use_ocdbt=True)
+
+
+def open_array(directory, name: str, context: ts.Context | None = None) -> ts.TensorStore:
   kv = ts_utils.build_kvstore_tspec(directory.as_posix(), name=name, use_ocdbt=True)
   last = None
   for driver in ('zarr', 'zarr3'):
     try:
       return ts.open({'driver': driver, 'kvstore': kv}, open=True, read=True,
-                     context=ts_utils.get_ts_context(use_ocdbt=True)).result()
+                     context=context if context is not None else read_context()).result()
     except ValueError as e:  # Not this zarr version.
       last = e
   raise ValueError(f'Cannot open array {name!r} in {directory}: {last}')
 
 
 def restore_array(
-    directory, name: str, target: jax.ShapeDtypeStruct | jax.Array, slice_bytes: int
+    directory, name: str, target: jax.ShapeDtypeStruct | jax.Array, slice_bytes: int,
+    context: ts.Context | None = None,
 ) -> jax.Array:
   """Reads one stored array into `target`'s sharding, one slice at a time."""
-  t = open_array(directory, name)
+  t = open_array(directory, name, context)
   shape = tuple(target.shape)
   if tuple(t.shape) != shape:
     raise ValueError(
@@ -70,6 +80,10 @@ def restore_array(
   dtype = np.dtype(target.dtype)
   sharding = target.sharding
   itemsize = dtype.itemsize
+  if math.prod(shape) * itemsize <= slice_bytes:
+    # Small leaf: one read, one transfer to every device that holds it.
+    host = t.read().result()
+    return jax.device_put(host if host.dtype == dtype else host.astype(dtype), sharding)
   dev_to_index = sharding.addressable_devices_indices_map(shape)
   groups: dict[Any, list] = {}
   for device, index in dev_to_index.items():
@@ -191,11 +205,16 @@ def restore_tree(directory, target: Any, *, budget_bytes: int) -> Any:
   names = base_pytree_checkpoint_handler.get_param_names(target)
   flat_names = jax.tree_util.tree_leaves(names)
   slice_bytes = restore_slice_bytes(budget_bytes)
+  context = read_context()
   leaves = []
+  since_trim = 0
   for (path, x), name in zip(flat, flat_names):
     if getattr(x, 'sharding', None) is None:
       x = jax.ShapeDtypeStruct(x.shape, x.dtype,
                                sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-    leaves.append(restore_array(directory, name, x, slice_bytes))
-    hostmem.release_free_memory()
+    leaves.append(restore_array(directory, name, x, slice_bytes, context))
+    since_trim += math.prod(x.shape) * np.dtype(x.dtype).itemsize
+    if since_trim >= slice_bytes:  # a trim costs ~1 ms: not after every tiny leaf
+      hostmem.release_free_memory()
+      since_trim = 0
   return jax.tree_util.tree_unflatten(treedef, leaves)

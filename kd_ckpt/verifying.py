@@ -124,11 +124,12 @@ def _crc_box(t, box: integrity.Box, dtype: np.dtype, limit: int, crc: int = 0, a
   return crc
 
 
-def check_leaf(directory: epath.Path, rec: integrity.LeafRecord, limit: int) -> LeafCheck:
+def check_leaf(directory: epath.Path, rec: integrity.LeafRecord, limit: int,
+               context=None) -> LeafCheck:
   """Re-reads every recorded box of one array and compares CRCs."""
   dtype = np.dtype(rec.dtype)
   try:
-    t = restoring.open_array(directory, rec.name)
+    t = restoring.open_array(directory, rec.name, context)
   except Exception as e:  # pylint: disable=broad-exception-caught
     return LeafCheck(rec.name, rec.path, UNREADABLE, 0, f'cannot open: {_short(e)}')
   if tuple(t.shape) != tuple(rec.shape):
@@ -191,9 +192,10 @@ def verify(
   with hostmem.PeakRss() as peak:
     start = time.monotonic()
     records = integrity.read(path)
+    context = restoring.read_context()
     checks = []
     for rec in sorted(records.values(), key=lambda r: r.path):
-      checks.append(check_leaf(path, rec, limit))
+      checks.append(check_leaf(path, rec, limit, context))
     seconds = time.monotonic() - start
   hostmem.release_free_memory()
   return VerifyReport(os.fspath(directory), tuple(checks), seconds, peak.extra_bytes)
