@@ -6,7 +6,8 @@
 #                      show each save's kd_ckpt report
 #   make plan          preflight of the full Gemma 3 4B LoRA config's saves
 #                      (PLAN_ARGS='--host-ram-budget=16GiB --json' to change)
-#   make bench         bench/run.py
+#   make bench         bench/run.py: 128 MiB grid + 512 MiB soaks (8 min on 2 busy cores)
+#   make bench-full    bench/run.py --full: 512 MiB grid, soaks one at a time (~20 min)
 #   make constraints   re-pin constraints.txt from the current .venv
 #
 # The first target run creates .venv with a Python >= 3.12 found by
@@ -28,7 +29,7 @@ DEMO_DEVICES ?= 8
 DEMO_CFG := configs/gemma_lora.py
 PLAN_ARGS ?=
 
-.PHONY: test test-fast demo bench plan constraints venv clean
+.PHONY: test test-fast demo bench bench-full plan constraints venv clean
 
 venv: $(STAMP)
 
@@ -49,6 +50,9 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/run.py
+
+bench-full: $(STAMP)
+	$(PY) bench/run.py --full
 
 plan: $(STAMP)
 	$(PY) -m kd_ckpt plan --cfg=$(DEMO_CFG) $(PLAN_ARGS)

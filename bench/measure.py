@@ -86,6 +86,29 @@ def malloc_trim() -> bool:
   return bool(libc.malloc_trim(0))
 
 
+class _MallInfo2(ctypes.Structure):
+  _fields_ = [(name, ctypes.c_size_t) for name in (
+      'arena', 'ordblks', 'smblks', 'hblks', 'hblkhd', 'usmblks', 'fsmblks',
+      'uordblks', 'fordblks', 'keepcost')]
+
+
+def heap_bytes() -> dict[str, int] | None:
+  """glibc's heap, all arenas (`mallinfo2`); None where unavailable.
+
+  in_use: bytes malloc has handed out and not got back (a leak grows this);
+  free: freed bytes the heap keeps (fragmentation; only partly resident);
+  footprint: heap obtained from the OS (arenas + mmapped chunks).
+  """
+  libc = _libc()
+  fn = getattr(libc, 'mallinfo2', None) if libc is not None else None
+  if fn is None:
+    return None
+  fn.restype = _MallInfo2
+  m = fn()
+  return {'in_use': int(m.uordblks + m.hblkhd), 'free': int(m.fordblks),
+          'footprint': int(m.arena + m.hblkhd)}
+
+
 class Peak:
   """Peak RSS of a block, exact (kernel high-water mark, no sampling).
 
@@ -188,6 +211,15 @@ def soak_drift(rss_after_each: Sequence[int],
     return None
   lo, hi = _drift_indices(n, first, last)
   return int(rss_after_each[hi]) - int(rss_after_each[lo])
+
+
+def heap_drift(soak: dict[str, Any]) -> int | None:
+  """Like `soak_drift`, for malloc's bytes in use (diagnostic, not enforced).
+
+  RSS that grows while this stays flat is allocator slack (freed memory the
+  heap keeps), not memory the save still holds.
+  """
+  return soak_drift(soak.get('heap_in_use_bytes') or [])
 
 
 def is_kd(row: dict[str, Any]) -> bool:
@@ -332,7 +364,7 @@ def soak_columns(n_saves: int) -> tuple[str, ...]:
   return ('variant', 'budget', 'saves', 'RSS after save 1',
           f'after save {lo + 1}', f'after save {hi + 1}',
           f'drift ({lo + 1} -> {hi + 1})', 'max peak extra', 'mean save s',
-          'verdict')
+          'malloc in-use drift', 'verdict')
 
 
 def soak_row_cells(soak: dict[str, Any]) -> list[str]:
@@ -360,6 +392,7 @@ def soak_row_cells(soak: dict[str, Any]) -> list[str]:
       fmt_bytes(drift),
       fmt_bytes(max(peaks)) if peaks else '-',
       _secs(sum(secs) / len(secs)) if secs else '-',
+      fmt_bytes(heap_drift(soak)),
       verdict.replace('|', '/'),
   ]
 

@@ -1,11 +1,13 @@
 #!/usr/bin/env python
 """Benchmark: host RAM and speed of Orbax vs kd_ckpt saves (CPU, 8 fake devices).
 
-  .venv/bin/python bench/run.py                      # default: 512 MiB states
+  .venv/bin/python bench/run.py          # default: 128 MiB states, soaks at once
+  .venv/bin/python bench/run.py --full   # 512 MiB states, soaks one at a time
   .venv/bin/python bench/run.py --scale tiny --budgets 64MiB --soak-saves 3
 
-Every measured variant runs in a fresh subprocess (`run.py --worker SPEC`,
-one JSON line on stdout) so nothing (heap, thread pools, JAX caches) leaks
+Every measured variant runs in a fresh process, forked from a zygote that
+has only imported jax/orbax/kd_ckpt (`--exec-workers`: a new interpreter,
+`run.py --worker SPEC`), so nothing (heap, thread pools, JAX caches) leaks
 between rows.  Writes results.json, results.md, peaks.png, soak.png to --out
 (default bench/out/) and exits 1 when kd_ckpt misses a threshold (see
 bench/measure.py: streaming peak <= budget*1.10 + 32 MiB, soak drift <= 16 MiB).
@@ -19,6 +21,7 @@ import json
 import math
 import os
 import platform
+import queue
 import shutil
 import subprocess
 import sys
@@ -40,6 +43,11 @@ STATES = ('replicated', 'sharded', 'gemma')
 DEFAULT_BUDGETS = '64MiB,256MiB,1GiB'
 SOAK_BYTES = 512 * MiB
 SOAK_BUDGET = 256 * MiB
+# The default run fits a 2-core machine in a few minutes: the comparison grid
+# at QUICK_SCALE, then the three 512 MiB soaks side by side (they measure RSS,
+# not speed).  --full is the long sweep: 512 MiB states, one soak at a time.
+QUICK_SCALE = 'small'
+FULL_SCALE = 'default'
 
 
 def worker_env(pkg_root: str | None = None) -> dict[str, str]:
@@ -453,7 +461,7 @@ def worker_soak(spec: dict[str, Any]) -> dict[str, Any]:
   gc.collect()
   measure.malloc_trim()
   out['rss_start_bytes'] = measure.rss_bytes()
-  rss, peaks, secs = [], [], []
+  rss, peaks, secs, heap_used, heap_free = [], [], [], [], []
   for step in range(1, spec['saves'] + 1):
     with measure.Peak() as p:
       t0 = time.perf_counter()
@@ -463,12 +471,18 @@ def worker_soak(spec: dict[str, Any]) -> dict[str, Any]:
       saver.delete(step - 2)  # keep 2, like max_to_keep=2
     peaks.append(p.extra_bytes)
     rss.append(measure.rss_bytes())
+    heap = measure.heap_bytes()  # diagnostic: leak (in use) or slack (free)?
+    if heap is not None:
+      heap_used.append(heap['in_use'])
+      heap_free.append(heap['free'])
   out.update(rss_after_bytes=rss, peak_extra_bytes=peaks, seconds=secs)
+  if heap_used:
+    out.update(heap_in_use_bytes=heap_used, heap_free_bytes=heap_free)
   saver.close()
   return out
 
 
-def worker_main(spec_json: str) -> int:
+def worker_main(spec_json: str, result_path: str | None = None) -> int:
   spec = json.loads(spec_json)
   try:
     result = worker_soak(spec) if spec['kind'] == 'soak' else worker_save(spec)
@@ -481,17 +495,157 @@ def worker_main(spec_json: str) -> int:
     result['error'] = f'{type(e).__name__}: {str(e)[:300]}'
   sys.stdout.write(RESULT_PREFIX + json.dumps(result) + '\n')
   sys.stdout.flush()
+  if result_path:
+    with open(result_path, 'w') as f:
+      f.write(json.dumps(result))
   return 0
+
+
+# What a zygote imports before it forks workers: the slow part of a fresh
+# worker's start (~4 s of the ~5 s on 2 cores).  Importing starts no JAX
+# backend and no JAX/TensorStore threads, so each forked worker still builds
+# its own backend, thread pools and heap from nothing.
+ZYGOTE_PRELOAD = ('numpy', 'jax', 'jax.numpy', 'tensorstore', 'orbax.checkpoint',
+                  'kd_ckpt')
+
+
+def zygote_main() -> int:
+  """Forks one worker per request line ({spec, log, result}) from stdin.
+
+  Replies one JSON line per request: {"rc": exit status, "timed_out": bool}.
+  The worker's stdout and stderr go to the request's log file.
+  """
+  import importlib  # pylint: disable=g-import-not-at-top
+
+  for name in ZYGOTE_PRELOAD:
+    importlib.import_module(name)
+  ready = {'ready': True, 'jax_backends_initialized': _backends_initialized()}
+  sys.stdout.write(json.dumps(ready) + '\n')
+  sys.stdout.flush()
+  for line in sys.stdin:
+    req = json.loads(line)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the worker
+      code = 1
+      try:
+        null = os.open(os.devnull, os.O_RDONLY)
+        log = os.open(req['log'], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(null, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        code = worker_main(req['spec'], req['result'])
+      except BaseException:  # pylint: disable=broad-except
+        import traceback  # pylint: disable=g-import-not-at-top
+
+        traceback.print_exc()
+      finally:
+        try:
+          sys.stdout.flush()
+          sys.stderr.flush()
+        finally:
+          os._exit(code)  # pylint: disable=protected-access
+    deadline = time.monotonic() + float(req['timeout'])
+    timed_out = False
+    while True:
+      done, status = os.waitpid(pid, os.WNOHANG)
+      if done:
+        break
+      if time.monotonic() > deadline and not timed_out:
+        timed_out = True
+        os.kill(pid, 9)
+      time.sleep(0.05)
+    sys.stdout.write(json.dumps({'rc': os.waitstatus_to_exitcode(status),
+                                 'timed_out': timed_out}) + '\n')
+    sys.stdout.flush()
+  return 0
+
+
+def _backends_initialized() -> bool:
+  try:
+    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+
+    return bool(xla_bridge._backends)  # pylint: disable=protected-access
+  except Exception:  # pylint: disable=broad-except
+    return False
 
 
 # ==========================================================================
 # Parent side.
 
 
+class Zygote:
+  """A `run.py --zygote` process: imports once, forks a worker per row."""
+
+  def __init__(self, pkg_root: str | None):
+    self.proc = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), '--zygote'],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env=worker_env(pkg_root), cwd=REPO)
+    line = self.proc.stdout.readline()
+    if not line:
+      raise RuntimeError(f'zygote failed to start (exit {self.proc.wait()})')
+    if json.loads(line).get('jax_backends_initialized'):
+      raise RuntimeError('zygote initialized a JAX backend before forking')
+
+  def run(self, spec: dict[str, Any], log_path: str, timeout: float):
+    result_path = os.path.join(spec['workdir'], 'bench_result.json')
+    self.proc.stdin.write(json.dumps({'spec': json.dumps(spec), 'log': log_path,
+                                      'result': result_path,
+                                      'timeout': timeout}) + '\n')
+    self.proc.stdin.flush()
+    reply = self.proc.stdout.readline()
+    if not reply:
+      raise RuntimeError(f'zygote died (exit {self.proc.wait()})')
+    reply = json.loads(reply)
+    result = None
+    if os.path.exists(result_path):
+      with open(result_path) as f:
+        result = json.load(f)
+    return reply, result
+
+  def close(self):
+    if self.proc.poll() is None:
+      self.proc.stdin.close()
+      try:
+        self.proc.wait(timeout=30)
+      except subprocess.TimeoutExpired:
+        self.proc.kill()
+
+
+def run_worker_forked(zygote: Zygote, spec: dict[str, Any], log_dir: str,
+                      timeout: float) -> dict[str, Any]:
+  """`run_worker`, with the worker forked from `zygote` instead of exec'd."""
+  name = _worker_name(spec)
+  base = {k: spec.get(k) for k in ('state', 'variant')}
+  base['budget_bytes'] = spec.get('budget')
+  os.makedirs(spec['workdir'], exist_ok=True)
+  log_path = os.path.join(log_dir, name + '.log')
+  try:
+    reply, result = zygote.run(spec, log_path, timeout)
+  finally:
+    shutil.rmtree(spec['workdir'], ignore_errors=True)
+  if result is not None:
+    return result
+  if reply.get('timed_out'):
+    return {**base, 'error': f'worker timed out after {timeout:.0f} s'}
+  try:
+    with open(log_path) as f:
+      tail = (f.read().strip().splitlines() or ['no output'])[-1]
+  except OSError:
+    tail = 'no log'
+  return {**base, 'error': f"worker exit {reply.get('rc')}: {tail[:300]}"}
+
+
+def _worker_name(spec: dict[str, Any]) -> str:
+  name = '_'.join(str(spec.get(k)) for k in ('kind', 'state', 'variant', 'budget'))
+  return ''.join(c if c.isalnum() or c in '._-' else '_' for c in name)
+
+
 def run_worker(spec: dict[str, Any], log_dir: str, timeout: float,
                pkg_root: str | None = None) -> dict[str, Any]:
-  name = '_'.join(str(spec.get(k)) for k in ('kind', 'state', 'variant', 'budget'))
-  name = ''.join(c if c.isalnum() or c in '._-' else '_' for c in name)
+  name = _worker_name(spec)
   base = {k: spec.get(k) for k in ('state', 'variant')}
   base['budget_bytes'] = spec.get('budget')
   os.makedirs(spec['workdir'], exist_ok=True)
@@ -614,6 +768,14 @@ def kd_desc(config) -> str:
           f" (snapshot sha256 {v.get('sha256')})")
 
 
+def _soak_note(config) -> list[str]:
+  n = config.get('soak_jobs') or 1
+  if n <= 1:
+    return []
+  return [f'The soaks ran {n} at a time (each in its own process): RSS is per'
+          ' process, but "mean save s" includes the contention.', '']
+
+
 def write_markdown(path, rows, soaks, violations, config) -> str:
   lines = [
       '# kd_ckpt benchmark',
@@ -639,6 +801,7 @@ def write_markdown(path, rows, soaks, violations, config) -> str:
       f'## Soak ({config["soak_saves"]} saves of'
       f' {measure.fmt_bytes(config["soak_bytes"])}, keep 2)',
       '',
+      *_soak_note(config),
       measure.soak_table(soaks) if soaks else '(skipped)\n',
       '## Thresholds',
       '',
@@ -666,20 +829,33 @@ def parse_args(argv):
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument('--worker', help=argparse.SUPPRESS)
-  p.add_argument('--scale', default='default',
+  p.add_argument('--zygote', action='store_true', help=argparse.SUPPRESS)
+  p.add_argument('--full', action='store_true',
+                 help=f'the full sweep (~20 min on 2 cores): {FULL_SCALE} scale states,'
+                 ' soaks one at a time')
+  p.add_argument('--scale', default=None,
                  help=f'state size: {", ".join(f"{k}={measure.fmt_bytes(v)}" for k, v in SCALES.items())}'
-                 ' or a size like 768MiB (default: default)')
+                 f' or a size like 768MiB (default: {QUICK_SCALE}; {FULL_SCALE} with --full)')
   p.add_argument('--states', default=','.join(STATES), help='comma list of ' + ','.join(STATES))
   p.add_argument('--budgets', default=DEFAULT_BUDGETS, help='comma list of host-RAM budgets')
   p.add_argument('--soak-saves', type=int, default=50, help='0 skips the soak')
   p.add_argument('--soak-size', default=None,
-                 help='soak state size (default 512MiB, or the state size if smaller)')
+                 help='soak state size (default 512MiB; with an explicit --scale, the'
+                 ' state size if smaller)')
   p.add_argument('--soak-budget', default='256MiB')
   p.add_argument('--out', default=os.path.join(HERE, 'out'))
   p.add_argument('--workdir', default=None, help='where checkpoints go (default: a temp dir)')
   p.add_argument('--jobs', type=int, default=1,
-                 help='workers at a time (>1 only for smoke runs: timings then interfere)')
+                 help='save-row workers at a time (>1 only for smoke runs: timings then'
+                 ' interfere)')
+  p.add_argument('--soak-jobs', type=int, default=None,
+                 help='soaks at a time (default: all at once; 1 with --full).  Soaks'
+                 ' measure RSS; their save seconds then include contention')
   p.add_argument('--worker-timeout', type=float, default=1200)
+  p.add_argument('--exec-workers', action='store_true',
+                 help='start every worker as a new interpreter (+~4 s of imports a'
+                 ' row) instead of forking it from a process that has only imported'
+                 ' jax/orbax/kd_ckpt')
   p.add_argument('--replot', action='store_true',
                  help='only rebuild results.md and the plots from --out/results.json')
   return p.parse_args(argv)
@@ -689,18 +865,25 @@ def main(argv=None) -> int:
   args = parse_args(argv)
   if args.worker:
     return worker_main(args.worker)
+  if args.zygote:
+    return zygote_main()
   if args.replot:
     return replot(args.out)
   t_start = time.perf_counter()
   load_start = os.getloadavg()[0]
-  state_bytes = SCALES.get(args.scale) or measure.parse_bytes(args.scale)
+  scale = args.scale or (FULL_SCALE if args.full else QUICK_SCALE)
+  state_bytes = SCALES.get(scale) or measure.parse_bytes(scale)
   budgets = [measure.parse_bytes(b) for b in args.budgets.split(',') if b]
   states = [s for s in args.states.split(',') if s]
   for s in states:
     if s not in STATES:
       raise SystemExit(f'unknown state {s!r}')
-  soak_bytes = (measure.parse_bytes(args.soak_size) if args.soak_size
-                else min(SOAK_BYTES, state_bytes))
+  if args.soak_size:
+    soak_bytes = measure.parse_bytes(args.soak_size)
+  elif args.scale:  # an explicit (e.g. tiny smoke) scale shrinks the soak too
+    soak_bytes = min(SOAK_BYTES, state_bytes)
+  else:
+    soak_bytes = SOAK_BYTES
   soak_budget = measure.parse_bytes(args.soak_budget)
   os.makedirs(args.out, exist_ok=True)
   log_dir = os.path.join(args.out, 'logs')
@@ -730,7 +913,8 @@ def main(argv=None) -> int:
   def progress(res):
     if 'rss_after_bytes' in res:
       d = measure.soak_drift(res['rss_after_bytes'])
-      msg = f"soak {res['variant']}: drift {measure.fmt_bytes(d)}"
+      msg = (f"soak {res['variant']}: RSS drift {measure.fmt_bytes(d)}, malloc"
+             f" in-use drift {measure.fmt_bytes(measure.heap_drift(res))}")
     else:
       msg = (f"{res['state']:<10} {res['variant']:<18}"
              f" {measure.budget_label(res.get('budget_bytes')):>8}:"
@@ -741,24 +925,54 @@ def main(argv=None) -> int:
     print(f'[{time.perf_counter() - t_start:6.0f} s] {msg}', flush=True)
     return res
 
+  soak_par = max(1, args.soak_jobs or (1 if args.full else len(soak_jobs) or 1))
   print(f'kd_ckpt bench: {len(jobs)} save rows + {len(states)} dd rows +'
-        f' {len(soak_jobs)} soaks; states {measure.fmt_bytes(state_bytes)};'
+        f' {len(soak_jobs)} soaks ({min(soak_par, len(soak_jobs))} at a time);'
+        f' states {measure.fmt_bytes(state_bytes)}, soak {measure.fmt_bytes(soak_bytes)};'
         f' checkpoints under {workroot}', flush=True)
   rows: list[dict[str, Any]] = []
   soaks: list[dict[str, Any]] = []
+
+  zygotes: queue.SimpleQueue = queue.SimpleQueue()
+  started: list[Zygote] = []
+
+  def one(job):
+    if args.exec_workers:
+      return run_worker(job, log_dir, args.worker_timeout, pkg_root)
+    try:
+      z = zygotes.get_nowait()
+    except queue.Empty:
+      z = Zygote(pkg_root)
+      started.append(z)
+    try:
+      return run_worker_forked(z, job, log_dir, args.worker_timeout)
+    finally:
+      zygotes.put(z)
+
+  def run_all(batch, parallel):
+    if parallel <= 1:
+      return [progress(one(j)) for j in batch]
+    out: list[Any] = [None] * len(batch)
+    with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+      futs = {pool.submit(one, j): i for i, j in enumerate(batch)}
+      for f in concurrent.futures.as_completed(futs):
+        out[futs[f]] = progress(f.result())
+    return out
+
   try:
     for st in states:
       rows.append(progress(run_dd(st, state_bytes, wd())))
-    all_jobs = jobs + soak_jobs
-    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
-      futs = [pool.submit(run_worker, j, log_dir, args.worker_timeout, pkg_root) for j in all_jobs]
-      results = [progress(f.result()) if args.jobs == 1 else f for f in futs]
-      results = [r if isinstance(r, dict) else progress(r.result()) for r in results]
+    if args.jobs > 1:  # smoke runs: everything shares one pool
+      results = run_all(jobs + soak_jobs, args.jobs)
+      save_results, soaks = results[:len(jobs)], results[len(jobs):]
+    else:
+      save_results = run_all(jobs, 1)
+      soaks = run_all(soak_jobs, soak_par)
   finally:
+    for z in started:
+      z.close()
     if not args.workdir:
       shutil.rmtree(workroot, ignore_errors=True)
-  save_results = results[:len(jobs)]
-  soaks = results[len(jobs):]
   # Table order: per state, the variants, then dd.
   dd_rows = {r['state']: r for r in rows}
   rows = []
@@ -769,9 +983,12 @@ def main(argv=None) -> int:
   violations = measure.check_rows(rows) + measure.check_soaks(soaks)
   wall = time.perf_counter() - t_start
   config = {
-      'scale': args.scale, 'state_bytes': state_bytes, 'budgets': budgets,
+      'mode': 'full' if args.full else 'default',
+      'scale': scale, 'state_bytes': state_bytes, 'budgets': budgets,
       'states': states, 'soak_saves': args.soak_saves, 'soak_bytes': soak_bytes,
       'soak_budget': soak_budget, 'devices': N_DEVICES, 'jobs': args.jobs,
+      'workers': 'exec' if args.exec_workers else 'forked from a zygote',
+      'soak_jobs': (args.jobs if args.jobs > 1 else min(soak_par, len(soak_jobs))),
       'machine': f'{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs,'
                  f' {measure.fmt_bytes(_total_ram())} RAM',
       'wall_seconds': wall,

@@ -114,13 +114,17 @@ def restore_array(
 
 def check_is_checkpoint(directory) -> None:
   """Raises a ValueError saying what to pass when `directory` is no checkpoint."""
+  if '.orbax-checkpoint-tmp' in directory.name:
+    # Even with a complete _METADATA (killed just before the rename), a
+    # temporary directory is never a checkpoint: nothing vouches for it.
+    raise ValueError(
+        f'{directory} is an unfinished save (Orbax temporary directory), never'
+        ' a checkpoint. Restore the step without the suffix, or an earlier one.')
   if (directory / '_METADATA').exists():
     return
   hint = ''
   if (directory / 'default' / '_METADATA').exists():
     hint = f' It looks like a Kauldron step: pass its item folder {directory / "default"}.'
-  elif '.orbax-checkpoint-tmp' in directory.name:
-    hint = ' It is an unfinished save (Orbax temporary directory), never a checkpoint.'
   raise ValueError(
       f'{directory} is not an Orbax PyTree checkpoint (no _METADATA).{hint}'
       ' `python -m kd_ckpt inspect DIR` finds the checkpoints under a folder.')

@@ -237,6 +237,11 @@ class StreamingArrayHandler(jax_array_handlers.ArrayHandler):
     # once rather than one per leaf between data writes.
     stores = await asyncio.gather(*[self._open(p, i) for p, i in zip(prepared, infos)])
     # One pipeline across all leaves, so small leaves do not drain it.
+    # Each OCDBT commit costs ~0.1 s here whatever its size (measured: 6 MiB
+    # groups made a 512 MiB save 3x slower than 38 MiB ones), so groups are as
+    # big as the budget allows: one group filling (host buffers) and one
+    # committing (plus its encoded copy) hold slices_in_flight x slice_bytes,
+    # what the plan budgets for (`streaming_layout`).
     pipeline = _Pipeline(self, group_bytes=max(
         self.slice_bytes, self.slice_bytes * self.slices_in_flight // 2))
     try:

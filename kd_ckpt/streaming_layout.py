@@ -65,17 +65,10 @@ def choose(budget_bytes: int) -> StreamingLayout:
 def predict_peak(est: estimate_lib.TreeEstimate, layout: StreamingLayout) -> int:
   """Floor plus what is in flight, never more than the data itself costs.
 
-  A slice never spans two shards, so with small shards the slices are the
-  shard (or its replica-parallel part), not `slice_bytes`.
+  The writer stages slices in OCDBT transactions of half the in-flight
+  bytes (one filling, one committing), whatever the slices' size, so small
+  shards fill the envelope as big ones do.
   """
-  unit = max((_write_unit_bytes(l) for l in est.leaves), default=0)
-  slice_bytes = min(layout.slice_bytes, max(unit, 1))
-  inflight = int(layout.slices_in_flight * slice_bytes * COST_PER_SLICE_BYTE)
+  inflight = int(layout.slices_in_flight * layout.slice_bytes * COST_PER_SLICE_BYTE)
   data = int(est.total_bytes(True) * COST_PER_SLICE_BYTE)
   return FLOOR_BYTES + min(inflight, data)
-
-
-def _write_unit_bytes(leaf: estimate_lib.LeafEstimate) -> int:
-  if leaf.replica_parallel_applies:
-    return leaf.shard_bytes // leaf.num_replicas
-  return leaf.shard_bytes

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -107,11 +108,13 @@ def _worker(argv):
     plan = kd_ckpt.plan_save(tree, host_ram_budget=1 << 40, strategy='orbax')
     hostmem.release_free_memory()
     with hostmem.PeakRss() as peak:
+      start = time.monotonic()
       ckptr = ocp.StandardCheckpointer()
       ckptr.save(directory, tree)
       ckptr.wait_until_finished()
+      seconds = time.monotonic() - start
     default = [c for c in plan.candidates if c.name == 'orbax async zstd'][0]
-    out = {'peak_extra_bytes': peak.extra_bytes,
+    out = {'peak_extra_bytes': peak.extra_bytes, 'seconds': seconds,
            'predicted_default_bytes': kd_ckpt.plan.estimate_lib.predict_orbax(
                plan.estimate, use_replica_parallel=True,
                enable_pinned_host_transfer=False, use_compression=True).peak_bytes,

@@ -55,6 +55,17 @@ def test_peak_retained_bytes_sees_kept_memory():
   del kept
 
 
+def test_heap_bytes_sees_an_allocation():
+  before = measure.heap_bytes()
+  if before is None:
+    pytest.skip('no glibc mallinfo2')
+  a = np.ones(20 * MiB, dtype=np.uint8)
+  after = measure.heap_bytes()
+  assert after['in_use'] - before['in_use'] >= 19 * MiB
+  assert after['footprint'] >= after['in_use']
+  del a
+
+
 # --------------------------------------------------------------------------
 # Sizes.
 
@@ -155,7 +166,10 @@ def test_soak_table_values():
   assert kd[6] == '0 B'
   assert kd[7] == '40.0 MiB'
   assert kd[8] == '2.00'
+  assert kd[9] == '-'  # no malloc figures recorded
   assert kd[-1] == 'pass'
+  with_heap = dict(soaks[1], heap_in_use_bytes=[500 * mb] * 5 + [501 * mb] * 45)
+  assert _parse_md(measure.soak_table([with_heap]))[2][9] == '1.00 MiB'
 
 
 # --------------------------------------------------------------------------
