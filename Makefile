@@ -76,9 +76,10 @@ demo: $(STAMP)
 	run "$$wd/train_1.log"; \
 	echo; echo "== 2/3 run again to step 8: resumes from the last checkpoint"; \
 	run "$$wd/train_2.log" --cfg.num_train_steps=8; \
-	echo; echo "== 3/3 the checkpoints (python -m kd_ckpt inspect DIR; --json for all leaves)"; \
+	echo; echo "== 3/3 the checkpoints (python -m kd_ckpt inspect DIR, then verify DIR: CRC32C of every leaf)"; \
 	for d in $$(ls -d "$$wd"/checkpoints/ckpt_* | sort -V); do \
 	  echo; $(PY) -m kd_ckpt inspect "$$d" | sed -n '/^$$/q;p'; \
+	  $(PY) -m kd_ckpt verify "$$d" 2>/dev/null | sed -n 1p; \
 	done; \
 	echo; echo "Workdir (logs, checkpoints): $$wd"
 

@@ -64,12 +64,29 @@ def open_array(directory, name: str, context: ts.Context | None = None) -> ts.Te
   raise ValueError(f'Cannot open array {name!r} in {directory}: {last}')
 
 
+def open_arrays(directory, names, context: ts.Context, batch: int = 512) -> list[ts.TensorStore]:
+  """Opens many stored arrays concurrently (one at a time costs ~5 ms each)."""
+  out = []
+  for i in range(0, len(names), batch):
+    futures = []
+    for name in names[i:i + batch]:
+      kv = ts_utils.build_kvstore_tspec(directory.as_posix(), name=name, use_ocdbt=True)
+      futures.append((name, ts.open({'driver': 'zarr', 'kvstore': kv}, open=True, read=True,
+                                    context=context)))
+    for name, f in futures:
+      try:
+        out.append(f.result())
+      except ValueError:  # zarr3, or a real error that open_array reports.
+        out.append(open_array(directory, name, context))
+  return out
+
+
 def restore_array(
     directory, name: str, target: jax.ShapeDtypeStruct | jax.Array, slice_bytes: int,
-    context: ts.Context | None = None,
+    context: ts.Context | None = None, store: ts.TensorStore | None = None,
 ) -> jax.Array:
   """Reads one stored array into `target`'s sharding, one slice at a time."""
-  t = open_array(directory, name, context)
+  t = store if store is not None else open_array(directory, name, context)
   shape = tuple(target.shape)
   if tuple(t.shape) != shape:
     raise ValueError(
@@ -210,13 +227,14 @@ def restore_tree(directory, target: Any, *, budget_bytes: int) -> Any:
   flat_names = jax.tree_util.tree_leaves(names)
   slice_bytes = restore_slice_bytes(budget_bytes)
   context = read_context()
+  stores = open_arrays(directory, flat_names, context)
   leaves = []
   since_trim = 0
-  for (path, x), name in zip(flat, flat_names):
+  for (path, x), name, store in zip(flat, flat_names, stores):
     if getattr(x, 'sharding', None) is None:
       x = jax.ShapeDtypeStruct(x.shape, x.dtype,
                                sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-    leaves.append(restore_array(directory, name, x, slice_bytes, context))
+    leaves.append(restore_array(directory, name, x, slice_bytes, context, store))
     since_trim += math.prod(x.shape) * np.dtype(x.dtype).itemsize
     if since_trim >= slice_bytes:  # a trim costs ~1 ms: not after every tiny leaf
       hostmem.release_free_memory()

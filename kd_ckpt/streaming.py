@@ -37,7 +37,6 @@ from typing import Any, Sequence
 from absl import logging
 import jax
 import numpy as np
-from orbax.checkpoint._src.arrays import subchunking
 from orbax.checkpoint._src.futures import future as future_lib
 from orbax.checkpoint._src.futures import synchronization
 from orbax.checkpoint._src.multihost import multihost
@@ -63,18 +62,49 @@ def slice_chunk_shape(
 ) -> tuple[int, ...]:
   """A zarr chunk shape that tiles `local_shape` in pieces of <= slice_bytes.
 
-  Orbax's own chooser (`subchunking.choose_chunk_shape`): every chunk dim
-  divides the shard's, so no chunk straddles two shards (two writers on one
-  chunk would race), and the largest dims are split first.
+  Every chunk dim divides the shard's, so no chunk straddles two shards (two
+  writers on one chunk would race).  Greedy: while the chunk is too big,
+  step the one dim whose next smaller divisor keeps the chunk largest.
+  Orbax's own chooser always splits the largest dim first, which for a dim
+  with no small divisor (e.g. 1907 rows, prime) falls straight to 1: 4 KiB
+  chunks, 250,000 OCDBT keys for 1 GB, 5x slower and +100 MiB of B-tree.
   """
   shape = tuple(int(d) for d in local_shape)
+  whole = tuple(int(g) == n for g, n in zip(global_shape or (), shape)) or (False,) * len(shape)
   if not shape:
     return ()
   if math.prod(shape) * itemsize <= slice_bytes or 0 in shape:
     return tuple(max(1, d) for d in shape)
-  dtype = np.dtype(f'V{itemsize}') if itemsize not in (1, 2, 4, 8) else np.dtype(f'u{itemsize}')
-  return tuple(int(c) for c in subchunking.choose_chunk_shape(
-      tuple(global_shape or shape), shape, dtype, slice_bytes))
+  chunk = list(shape)
+  while math.prod(chunk) * itemsize > slice_bytes:
+    best = None
+    for a, n in enumerate(shape):
+      smaller = _next_smaller_divisor(n, chunk[a])
+      if whole[a] and chunk[a] > 1:
+        # One shard spans this dim: chunks need not divide it (the last
+        # one is cut by the array's end, not by another writer's shard).
+        rest = math.prod(chunk) // chunk[a] * itemsize
+        fit = max(1, min(chunk[a] - 1, slice_bytes // max(1, rest)))
+        smaller = max(smaller or 1, fit)
+      if smaller is None:
+        continue
+      size = math.prod(chunk) // chunk[a] * smaller
+      # Largest resulting chunk; on ties split the leading dim (slices stay
+      # long contiguous runs in C order).
+      key = (size, -a)
+      if best is None or key > best[0]:
+        best = (key, a, smaller)
+    if best is None:
+      break
+    chunk[best[1]] = best[2]
+  return tuple(chunk)
+
+
+def _next_smaller_divisor(n: int, current: int) -> int | None:
+  for d in range(current - 1, 0, -1):
+    if n % d == 0:
+      return d
+  return None
 
 
 def slice_boxes(
@@ -97,7 +127,7 @@ def slice_boxes(
   step = chunk[split] * max(1, slice_bytes // max(1, chunk_bytes))
   grids = [range(0, shape[a], chunk[a]) for a in range(split)]
   for starts in itertools.product(*grids):
-    head = tuple(slice(st, st + chunk[a]) for a, st in enumerate(starts))
+    head = tuple(slice(st, min(st + chunk[a], shape[a])) for a, st in enumerate(starts))
     for start in range(0, shape[split], step):
       yield (
           head

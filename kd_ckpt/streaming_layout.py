@@ -1,9 +1,9 @@
 """How the streaming writer spends a budget: slice size and pipeline depth.
 
-A slice in flight costs its host buffer plus TensorStore's encoded copy of it
-(zstd output, about ENCODE_FACTOR of the slice) until the write is durable.
-On top of that a fixed floor: thread arenas, TensorStore's and OCDBT's own
-buffers, the next slice's device->host copy being set up.
+A slice in flight costs its host buffer until its OCDBT commit is durable,
+plus what TensorStore adds while committing.  On top of that a fixed floor:
+thread arenas, TensorStore's and OCDBT's own buffers, the next slice's
+device->host copy being set up.
 
 Example:
 
@@ -18,14 +18,16 @@ import dataclasses
 from kd_ckpt import estimate as estimate_lib
 
 MiB = 1 << 20
-# Measured floor of the streaming save beyond its slices (thread arenas, the
-# end-of-save OCDBT merge and metadata writes, about 25 MiB for 1 GB;
-# OCDBT manifest and node cache, Python objects), 2 cores, tensorstore 0.1.86.
-FLOOR_BYTES = 40 * MiB
-# A slice in flight is held three times until its commit is durable: the host
-# buffer (TensorStore references it), the zstd-encoded chunk, and OCDBT's
-# data-file buffer that concatenates the encoded chunks of one commit.
-COST_PER_SLICE_BYTE = 1.0 + 2 * estimate_lib.ENCODE_FACTOR
+# Floor of the streaming save beyond its slices (thread arenas, metadata
+# writes, OCDBT manifest and node cache, Python objects).  Raw chunks, 2
+# cores, tensorstore 0.1.86: a 512 MiB save at a 64 MiB budget (8 MiB
+# staged) peaked at 16 MiB, so ~8 MiB; kept at 3x that for other hosts.
+FLOOR_BYTES = 24 * MiB
+# A staged slice is the host buffer TensorStore references (raw chunks are
+# not re-encoded), plus OCDBT's data-file buffer while its group commits:
+# measured 86 MiB peak for 76 MiB staged (256 MiB budget), i.e. ~1.1; 1.5
+# leaves room for hosts whose allocator or disk behave worse.
+COST_PER_SLICE_BYTE = 1.5
 MIN_SLICE_BYTES = 1 * MiB
 # Bigger slices stop paying off: 64 MiB writes already saturate a local disk
 # and keep per-write overhead under 1%.
