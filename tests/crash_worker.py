@@ -17,8 +17,8 @@ its own process):
 
   d2h      the save's first device-to-host copy: kd_ckpt.streaming._to_host
            (streaming), Orbax's replica_slices.transfer_arrays_to_host (orbax).
-  write    data half written: streaming, before the 5th of the 8 slices of
-           the 8 MiB leaf (the first ones committed to the OCDBT database);
+  write    data half written: streaming, before the middle slice of the
+           8 MiB leaf (the first ones staged or committed to the OCDBT database);
            orbax, once the first array's TensorStore write has returned, the
            others still in flight.
   merge    the handler's finalize: before Orbax merges the per-process OCDBT
@@ -49,9 +49,9 @@ import numpy as np
 
 from tests import states
 
-# kd_ckpt's budget per strategy: streaming at 48 MiB cuts the 8 MiB leaf into
-# 8 slices of 1 MiB (2 in flight); orbax under 'auto' is Orbax's async save.
-BUDGETS = {'orbax': 'auto', 'streaming': '48MiB'}
+# kd_ckpt's budget per strategy: streaming at 32 MiB cuts the 8 MiB leaf into
+# 1 MiB slices (see _mid_slice); orbax under 'auto' is Orbax's async save.
+BUDGETS = {'orbax': 'auto', 'streaming': '32MiB'}
 BIG_SHAPE = (2048, 1024)  # f32, 8 MiB, on one device
 KILLED_STEP = 2  # `save` mode: steps 0 and 1 complete, dies saving step 2
 KILL_MARK = 'CRASH_WORKER KILL'
@@ -115,6 +115,22 @@ def _die(point: str) -> None:
   os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _mid_slice() -> int:
+  """The slice of the big leaf to die before: past the first, before the last."""
+  from kd_ckpt import budget  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import hostmem  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import streaming  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import streaming_layout  # pylint: disable=g-import-not-at-top
+
+  nbytes = budget.resolve(BUDGETS['streaming'], hostmem.probe())
+  slice_bytes = streaming_layout.choose(nbytes).slice_bytes
+  chunk = streaming.slice_chunk_shape(BIG_SHAPE, 4, slice_bytes, global_shape=BIG_SHAPE)
+  n = len(list(streaming.slice_boxes(BIG_SHAPE, chunk, 4, slice_bytes)))
+  if n < 3:
+    raise SystemExit(f'the big leaf makes {n} slices at {BUDGETS["streaming"]}: no middle')
+  return n // 2 + 1
+
+
 def _install(point: str, strategy: str) -> None:
   """Wraps the function where `point` is, for `strategy`'s code path."""
   from kd_ckpt import streaming  # pylint: disable=g-import-not-at-top
@@ -141,12 +157,13 @@ def _install(point: str, strategy: str) -> None:
     wrap(replica_slices, 'transfer_arrays_to_host', die_first)
   elif point == 'write' and strategy == 'streaming':
     big_slices = [0]
+    kill_at = _mid_slice()
 
     def make(orig):
       def to_host(data, box):
         if _armed and tuple(data.shape) == BIG_SHAPE:
           big_slices[0] += 1
-          if big_slices[0] == 5:
+          if big_slices[0] == kill_at:
             _die(point)
         return orig(data, box)
       return to_host
