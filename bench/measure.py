@@ -17,6 +17,7 @@ import ctypes
 import ctypes.util
 import functools
 import math
+import json
 from typing import Any, Iterable, Sequence
 
 MiB = 1 << 20
@@ -409,3 +410,13 @@ def attach_orbax_default_seconds(rows: list[dict[str, Any]]) -> None:
          if r.get('variant') == 'orbax default' and not r.get('error')}
   for r in rows:
     r['orbax_default_seconds'] = ref.get(r.get('state'))
+
+
+def worker_result(stdout: str, stderr: str, returncode: int, prefix: str,
+                  base: dict[str, Any]) -> dict[str, Any]:
+  """The JSON a worker printed after `prefix`, or `base` with its error."""
+  for line in reversed(stdout.splitlines()):
+    if line.startswith(prefix):
+      return json.loads(line[len(prefix):])
+  tail = (stderr.strip().splitlines() or ['no output'])[-1]
+  return {**base, 'error': f'worker exit {returncode}: {tail[:300]}'}

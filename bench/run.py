@@ -661,11 +661,7 @@ def run_worker(spec: dict[str, Any], log_dir: str, timeout: float,
     shutil.rmtree(spec['workdir'], ignore_errors=True)
   with open(os.path.join(log_dir, name + '.log'), 'w') as f:
     f.write(proc.stdout + '\n--- stderr ---\n' + proc.stderr)
-  for line in reversed(proc.stdout.splitlines()):
-    if line.startswith(RESULT_PREFIX):
-      return json.loads(line[len(RESULT_PREFIX):])
-  tail = (proc.stderr.strip().splitlines() or ['no output'])[-1]
-  return {**base, 'error': f'worker exit {proc.returncode}: {tail[:300]}'}
+  return measure.worker_result(proc.stdout, proc.stderr, proc.returncode, RESULT_PREFIX, base)
 
 
 def run_dd(state: str, nbytes: int, workdir: str) -> dict[str, Any]:

@@ -29,14 +29,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
-import os
 import re
 import threading
 from typing import Any, Sequence
 
 from etils import epath
 import google_crc32c
+import jax
 import numpy as np
 
 FILE_PREFIX = 'kd_ckpt_checksums'
@@ -48,6 +47,23 @@ Box = tuple[tuple[int, int], ...]
 
 def file_name(process_index: int) -> str:
   return f'{FILE_PREFIX}.process_{process_index}.json'
+
+
+def _files(directory: epath.PathLike) -> list[epath.Path]:
+  d = epath.Path(directory)
+  if not d.is_dir():
+    return []
+  return sorted(p for p in d.iterdir() if _FILE_RE.match(p.name))
+
+
+def keypath_text(keypath, default: str) -> str:
+  """A leaf's key path as users read it ('opt.mu'); `default` if unknown."""
+  if keypath is None:
+    return default
+  try:
+    return jax.tree_util.keystr(tuple(keypath), simple=True, separator='.')
+  except Exception:  # pylint: disable=broad-exception-caught
+    return default
 
 
 def crc32c(data: np.ndarray, crc: int = 0) -> int:
@@ -85,11 +101,6 @@ class LeafRecord:
   shape: tuple[int, ...]
   dtype: str
   boxes: list[tuple[Box, int]] = dataclasses.field(default_factory=list)
-
-  @property
-  def checked_bytes(self) -> int:
-    itemsize = np.dtype(self.dtype).itemsize
-    return sum(math.prod(b - a for a, b in box) * itemsize for box, _ in self.boxes)
 
 
 class Checksums:
@@ -139,15 +150,13 @@ class Checksums:
 
 
 def has_checksums(directory: epath.PathLike) -> bool:
-  d = epath.Path(directory)
-  return d.is_dir() and any(_FILE_RE.match(p.name) for p in d.iterdir())
+  return bool(_files(directory))
 
 
 def read(directory: epath.PathLike) -> dict[str, LeafRecord]:
   """All processes' records in `directory`, merged by array name."""
   out: dict[str, LeafRecord] = {}
-  files = sorted(p for p in epath.Path(directory).iterdir() if _FILE_RE.match(p.name))
-  for f in files:
+  for f in _files(directory):
     data = json.loads(f.read_text())
     if data.get('format') != FORMAT:
       raise ValueError(f'{f}: unknown checksum format {data.get("format")!r}; expected {FORMAT!r}.')
@@ -174,21 +183,19 @@ _registered: dict[int, tuple[Checksums, str, str]] = {}
 
 
 def register(arrays: Sequence[Any], names: Sequence[str], paths: Sequence[str],
-             sums: Checksums) -> list[int]:
+             sums: Checksums) -> None:
   """Marks `arrays` (the exact objects Orbax will transfer) for checksumming."""
   install_orbax_hook()
-  keys = []
   with _registry_lock:
     for a, n, p in zip(arrays, names, paths):
       _registered[id(a)] = (sums, n, p)
-      keys.append(id(a))
-  return keys
 
 
-def unregister(keys: Sequence[int]) -> None:
+def unregister(sums: Checksums) -> None:
+  """Forgets every array registered for `sums` (its save is over)."""
   with _registry_lock:
-    for k in keys:
-      _registered.pop(k, None)
+    for k in [k for k, v in _registered.items() if v[0] is sums]:
+      del _registered[k]
 
 
 @functools.cache
@@ -213,7 +220,3 @@ def install_orbax_hook() -> None:
     return out
 
   replica_slices.transfer_arrays_to_host = transfer_and_checksum
-
-
-def process_files(directory: epath.PathLike) -> list[str]:
-  return sorted(os.fspath(p) for p in epath.Path(directory).iterdir() if _FILE_RE.match(p.name))

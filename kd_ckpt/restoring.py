@@ -52,13 +52,17 @@ def read_context() -> ts.Context:
   return ts_utils.get_ts_context(use_ocdbt=True)
 
 
-def open_array(directory, name: str, context: ts.Context | None = None) -> ts.TensorStore:
+def _open(directory, name: str, driver: str, context: ts.Context) -> ts.Future:
   kv = ts_utils.build_kvstore_tspec(directory.as_posix(), name=name, use_ocdbt=True)
+  return ts.open({'driver': driver, 'kvstore': kv}, open=True, read=True, context=context)
+
+
+def open_array(directory, name: str, context: ts.Context | None = None) -> ts.TensorStore:
+  context = context if context is not None else read_context()
   last = None
   for driver in ('zarr', 'zarr3'):
     try:
-      return ts.open({'driver': driver, 'kvstore': kv}, open=True, read=True,
-                     context=context if context is not None else read_context()).result()
+      return _open(directory, name, driver, context).result()
     except ValueError as e:  # Not this zarr version.
       last = e
   raise ValueError(f'Cannot open array {name!r} in {directory}: {last}')
@@ -68,11 +72,7 @@ def open_arrays(directory, names, context: ts.Context, batch: int = 512) -> list
   """Opens many stored arrays concurrently (one at a time costs ~5 ms each)."""
   out = []
   for i in range(0, len(names), batch):
-    futures = []
-    for name in names[i:i + batch]:
-      kv = ts_utils.build_kvstore_tspec(directory.as_posix(), name=name, use_ocdbt=True)
-      futures.append((name, ts.open({'driver': 'zarr', 'kvstore': kv}, open=True, read=True,
-                                    context=context)))
+    futures = [(n, _open(directory, n, 'zarr', context)) for n in names[i:i + batch]]
     for name, f in futures:
       try:
         out.append(f.result())

@@ -322,7 +322,7 @@ class StreamingArrayHandler(jax_array_handlers.ArrayHandler):
     )
     return _Prepared(arr, rslices, local_shape, chunk, itemsize, spec,
                      _with_chunk_shape(spec.json, chunk), info.name,
-                     _keystr(info.keypath, info.name))
+                     integrity.keypath_text(info.keypath, info.name))
 
   async def _open(self, p: '_Prepared', info) -> ts.TensorStore:
     if self._primary_host is None or multihost.process_index() == self._primary_host:
@@ -447,15 +447,6 @@ class _Prepared:
   tspec: dict[str, Any]
   name: str
   path: str
-
-
-def _keystr(keypath, default: str) -> str:
-  if keypath is None:
-    return default
-  try:
-    return jax.tree_util.keystr(tuple(keypath), simple=True, separator='.')
-  except Exception:  # pylint: disable=broad-exception-caught
-    return default
 
 
 async def _directories_created() -> None:

@@ -58,12 +58,10 @@ class ChecksummedArrayHandler(type_handlers.ArrayHandler):
   checksums: integrity.Checksums | None = None
 
   async def serialize(self, values, infos, args=None):
-    sums = self.checksums
-    if sums is not None:
-      keys = integrity.register(
+    if self.checksums is not None:
+      integrity.register(
           values, [i.name for i in infos],
-          [streaming._keystr(i.keypath, i.name) for i in infos], sums)  # pylint: disable=protected-access
-      self.registered_keys = getattr(self, 'registered_keys', []) + keys
+          [integrity.keypath_text(i.keypath, i.name) for i in infos], self.checksums)
     return await super().serialize(values, infos, args)
 
 
@@ -189,7 +187,6 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     sums = integrity.Checksums()
     handler = self._array_handler
     handler.checksums = sums
-    handler.registered_keys = []
     if jax.process_index() == 0:  # Orbax writes host values from process 0 only.
       _checksum_host_leaves(tree, sums)
     futures = await super().async_save(directory, item=item, save_args=save_args, args=args)
@@ -197,7 +194,7 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
 
     def finish():
       # Runs once every write is durable, before Orbax's rename.
-      integrity.unregister(handler.registered_keys)
+      integrity.unregister(sums)
       handler.checksums = None
       sums.write(target, jax.process_index())
 
@@ -221,7 +218,7 @@ def _checksum_host_leaves(tree: Any, sums: integrity.Checksums) -> None:
     if isinstance(x, (np.ndarray, np.number, int, float)) and not isinstance(x, bool):
       if isinstance(x, np.ndarray) and x.dtype == object:
         continue
-      sums.add_whole(name, x, path=jax.tree_util.keystr(path, simple=True, separator='.'))
+      sums.add_whole(name, x, path=integrity.keypath_text(path, name))
 
 
 @ocp.args.register_with_handler(SafePyTreeHandler, for_save=True)

@@ -214,26 +214,23 @@ def _save(api: str, strategy: str, point: str, directory: str) -> None:
   _install(point, strategy)
   if api == 'ckpt':
     ckpt = checkpointer(directory, strategy)
-    for step in range(KILLED_STEP + 1):
-      tree = make_tree(step)
-      jax.block_until_ready(tree)
-      _armed = step == KILLED_STEP
-      if _armed:
-        print('ARMED', flush=True)
+
+    def save(step, tree):
       ckpt.save(State(tree=tree), step=step)
       ckpt.wait_until_finished()
-    ckpt.close()
   elif api == 'api':
-    for step in range(KILLED_STEP + 1):
-      tree = make_tree(step)
-      jax.block_until_ready(tree)
-      _armed = step == KILLED_STEP
-      if _armed:
-        print('ARMED', flush=True)
+    def save(step, tree):
       kd_ckpt.save(os.path.join(directory, str(step)), tree,
                    host_ram_budget=BUDGETS[strategy], strategy=strategy)
   else:
     raise SystemExit(f'unknown api {api!r}')
+  for step in range(KILLED_STEP + 1):
+    tree = make_tree(step)
+    jax.block_until_ready(tree)
+    _armed = step == KILLED_STEP
+    if _armed:
+      print('ARMED', flush=True)
+    save(step, tree)
   sys.exit(3)  # not killed: the kill point was never reached
 
 
