@@ -1,4 +1,4 @@
-"""kd_ckpt: JAX checkpoints that stay inside a host-RAM budget.
+"""kd_ckpt: JAX checkpoints that never run the host out of memory.
 
 Public API.  Everything not exported here is internal and may change.
 
@@ -8,20 +8,32 @@ Example:
   report = kd_ckpt.save("/ckpt/step_100", state, host_ram_budget="2GiB")
   state = kd_ckpt.restore("/ckpt/step_100", jax.eval_shape(lambda: state))
   print(kd_ckpt.verify("/ckpt/step_100"))                   # CRC32C per leaf
+  print(kd_ckpt.inspect("/ckpt/step_100"))                  # leaves, how saved
 
-  # Kauldron config:
+  # Kauldron config (needs `pip install "kd_ckpt[kauldron]"`):
   cfg.checkpointer = kd_ckpt.SafeCheckpointer(save_interval_steps=500)
+
+`host_ram_budget` is a limit: the peak RSS of a save (async commit included)
+or restore, minus the RSS just before it, stays at or under it.
 """
 
 from kd_ckpt.api import restore
 from kd_ckpt.api import save
 from kd_ckpt.budget import AUTO_FRACTION
 from kd_ckpt.budget import parse as parse_budget
+from kd_ckpt.compat import IncompatibleVersionError
 from kd_ckpt.disk import DiskFullError
+from kd_ckpt.exchange import ExchangeTimeoutError
+from kd_ckpt.handler import SafePyTreeHandler
+from kd_ckpt.handler import SafeRestore
+from kd_ckpt.handler import SafeSave
 from kd_ckpt.hostmem import HostMemory
 from kd_ckpt.hostmem import PeakRss
 from kd_ckpt.hostmem import probe as probe_host_memory
-from kd_ckpt.kauldron_glue import SafeCheckpointer
+from kd_ckpt.inspecting import CheckpointInfo
+from kd_ckpt.inspecting import find_checkpoint
+from kd_ckpt.inspecting import inspect
+from kd_ckpt.inspecting import NoCheckpointError
 from kd_ckpt.plan import BudgetTooSmallError
 from kd_ckpt.plan import OrbaxSettings
 from kd_ckpt.plan import plan_save
@@ -35,22 +47,44 @@ from kd_ckpt.verifying import VerifyReport
 __all__ = [
     'AUTO_FRACTION',
     'BudgetTooSmallError',
+    'CheckpointInfo',
     'CorruptCheckpointError',
     'DiskFullError',
+    'ExchangeTimeoutError',
     'HostMemory',
+    'IncompatibleVersionError',
+    'NoCheckpointError',
     'NoChecksumsError',
     'OrbaxSettings',
     'PeakRss',
     'SafeCheckpointer',
+    'SafePyTreeHandler',
+    'SafeRestore',
+    'SafeSave',
     'SavePlan',
     'SaveReport',
+    'VerifyReport',
+    'find_checkpoint',
+    'inspect',
     'parse_budget',
     'plan_save',
     'probe_host_memory',
     'restore',
     'save',
     'verify',
-    'VerifyReport',
 ]
 
-__version__ = '0.1.0'
+__version__ = '0.2.0'
+
+
+def __getattr__(name: str):
+  # Kauldron is optional: import it only when SafeCheckpointer is asked for.
+  if name == 'SafeCheckpointer':
+    try:
+      from kd_ckpt.kauldron import SafeCheckpointer  # pylint: disable=g-import-not-at-top
+    except ImportError as e:
+      raise ImportError(
+          'kd_ckpt.SafeCheckpointer needs Kauldron: pip install "kd_ckpt[kauldron]"'
+          f' ({e}).') from e
+    return SafeCheckpointer
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

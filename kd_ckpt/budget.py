@@ -1,7 +1,12 @@
 """The host-RAM budget: what users write, and the bytes it means.
 
-`host_ram_budget` is the extra host RAM one save may add on top of what the
-process holds just before it.  Users write it as:
+`host_ram_budget` is a limit on the extra host RAM one save (or restore) may
+add: its peak RSS (`VmHWM`, over the whole save, async commit included) minus
+the RSS just before it.  The bounded paths (streaming save, every restore)
+hold it by construction, through the host limiter; Orbax's own save is used
+only when its worst case fits.  The smallest budget kd_ckpt can honour is
+`cost.min_budget_bytes()` (30 MiB): a fixed floor plus a few slices.
+Users write it as:
 
   "auto"            AUTO_FRACTION of the memory available to this process
   1 << 30           an int of bytes
@@ -21,7 +26,9 @@ import re
 
 from absl import logging
 
+from kd_ckpt import cost
 from kd_ckpt import hostmem
+from kd_ckpt import text
 
 # Half of what is available: the training job keeps running beside an async
 # save (data pipeline, evals, the next step's host buffers) and the page cache
@@ -107,7 +114,19 @@ def resolve(spec: BudgetLike | BudgetSpec, mem: hostmem.HostMemory) -> int:
   """
   spec = parse(spec)
   if spec.fraction is not None:
-    return max(1, int(mem.available_share_bytes * spec.fraction))
+    nbytes = int(mem.available_share_bytes * spec.fraction)
+    floor = cost.min_budget_bytes()
+    if nbytes < floor:
+      # "auto" shrinks with what is free; it never falls below what the
+      # bounded writer needs, or a run could fail hours in at a save that
+      # fits in a few slices anyway.
+      logging.warning(
+          'host_ram_budget=%s resolves to %s (%s available to this process);'
+          ' using the smallest budget kd_ckpt honours, %s.', spec.text,
+          text.format_bytes(nbytes), text.format_bytes(mem.available_share_bytes),
+          text.format_bytes(floor))
+      return floor
+    return nbytes
   assert spec.bytes is not None
   limit = mem.total_share_bytes
   if spec.bytes > limit:
@@ -115,10 +134,10 @@ def resolve(spec: BudgetLike | BudgetSpec, mem: hostmem.HostMemory) -> int:
         'host_ram_budget=%s is more than this process can have (%s of %s'
         ' total, %d process(es) on this host); clamping to %s.',
         spec.text,
-        hostmem.format_bytes(limit),
-        hostmem.format_bytes(mem.total_bytes),
+        text.format_bytes(limit),
+        text.format_bytes(mem.total_bytes),
         mem.local_process_count,
-        hostmem.format_bytes(limit),
+        text.format_bytes(limit),
     )
     return limit
   return spec.bytes

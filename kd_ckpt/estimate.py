@@ -2,22 +2,10 @@
 
 Works on `jax.Array`s and on `jax.ShapeDtypeStruct`s that carry a sharding
 (e.g. `jax.eval_shape` output), so a multi-hour run can be checked for free.
-
-The cost model, per leaf, for the bytes `W` this host writes (replicas
-deduplicated the way Orbax does):
-
-  Orbax, accelerator:  W (device->host copy; JAX caches it on the array)
-                       + W when pinned-host staging is on
-                       + ENCODE_FACTOR * W when zstd is on (TensorStore keeps
-                         the encoded chunk until the write is durable)
-  Orbax, CPU backend:  the device->host copy is zero-copy, except for
-                       replica-parallel slices, which `lax.slice_in_dim`
-                       materialises as new buffers; + the encode buffers.
-  Streaming:           a fixed floor + the slices in flight (see `streaming`).
-
-The factors were measured on this project's CI machine (CPU backend, 8 fake
-devices, orbax-checkpoint 0.12.8); tests/test_estimate.py checks predictions
-against measured peaks within 25%.
+For each leaf: its bytes, its shards, and the bytes *this* process writes,
+with replicas deduplicated the way Orbax does (replica 0 of each shard, or
+1/R of it with replica parallelism).  What those bytes cost in host memory
+is `cost`'s business.
 
 Example:
 
@@ -35,23 +23,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from kd_ckpt import hostmem
-
-# zstd level 3 (Orbax's zarr3 default) on float weights: mantissa bits are
-# close to noise, so encoded chunks are 0.8-0.95 of the raw bytes (0.81
-# measured on random normals).  0.9 sits in the middle of that range.
-ENCODE_FACTOR = 0.9
-# Without zstd TensorStore references the caller's buffer instead of copying:
-# 0.01 GiB extra was measured for a 1 GiB array.
-UNCOMPRESSED_ENCODE_FACTOR = 0.02
-# What any Orbax save costs beyond its arrays: TensorStore and OCDBT
-# contexts, thread stacks and arenas, metadata (4-16 MiB measured for states
-# of 0.1-13 MiB).
-ORBAX_FLOOR_BYTES = 16 << 20
-
-
-def keystr(path) -> str:
-  return jax.tree_util.keystr(path, simple=True, separator='.') or '<root>'
+from kd_ckpt import text
+from kd_ckpt import tree as tree_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +32,8 @@ class LeafEstimate:
   """What one leaf costs this host.
 
   Attributes:
-    path: the leaf's key path, dotted.
-    shape: global shape.
+    path: the leaf's name (Orbax's parameter name).
+    shape: global shape (of the stored key data for PRNG keys).
     dtype: dtype name.
     global_bytes: bytes of the whole array.
     shard_bytes: bytes of one shard (one device's piece).
@@ -86,11 +59,8 @@ class LeafEstimate:
   is_array: bool = True
 
   def host_bytes(self, use_replica_parallel: bool) -> int:
-    return (
-        self.write_bytes_replica_parallel
-        if use_replica_parallel
-        else self.write_bytes
-    )
+    return (self.write_bytes_replica_parallel if use_replica_parallel
+            else self.write_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,15 +87,11 @@ class TreeEstimate:
   def largest_write_bytes(self, use_replica_parallel: bool = True) -> int:
     return max((l.host_bytes(use_replica_parallel) for l in self.leaves), default=0)
 
-  @property
-  def largest_shard_bytes(self) -> int:
-    return max((l.shard_bytes for l in self.leaves), default=0)
-
   def largest(self, n: int = 8) -> list[LeafEstimate]:
     return sorted(self.leaves, key=lambda l: -l.global_bytes)[:n]
 
   def __str__(self) -> str:
-    fb = hostmem.format_bytes
+    fb = text.format_bytes
     head = (
         f'{self.num_leaves} leaves, {fb(self.global_bytes)} global,'
         f' {fb(self.total_bytes(True))} written by process'
@@ -133,22 +99,9 @@ class TreeEstimate:
     )
     rows = [('leaf', 'shape', 'dtype', 'bytes', 'shard', 'replicas', 'this host')]
     for l in self.largest(8):
-      rows.append((
-          l.path, str(l.shape), l.dtype, fb(l.global_bytes), fb(l.shard_bytes),
-          str(l.num_replicas), fb(l.host_bytes(True)),
-      ))
-    return head + '\n' + _table(rows)
-
-
-def _table(rows: list[tuple[str, ...]]) -> str:
-  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-  lines = ['  '.join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-  lines.insert(1, '  '.join('-' * w for w in widths))
-  return '\n'.join(lines)
-
-
-def _is_array_like(x: Any) -> bool:
-  return isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
+      rows.append((l.path, str(l.shape), l.dtype, fb(l.global_bytes), fb(l.shard_bytes),
+                   str(l.num_replicas), fb(l.host_bytes(True))))
+    return head + '\n' + text.table(rows)
 
 
 def _sharding_of(x: Any) -> jax.sharding.Sharding:
@@ -172,7 +125,7 @@ def _replica_ids(sharding: jax.sharding.Sharding, shape) -> dict[Any, tuple[int,
 
 def estimate_leaf(path: str, x: Any) -> LeafEstimate:
   """Estimates one leaf (array, ShapeDtypeStruct, numpy array or scalar)."""
-  if not _is_array_like(x):
+  if not isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
     arr = np.asarray(x)
     nbytes = int(arr.nbytes)
     if arr.size == 0:
@@ -180,25 +133,26 @@ def estimate_leaf(path: str, x: Any) -> LeafEstimate:
           f'Leaf {path!r} is a zero-size numpy array {arr.shape}, which Orbax'
           ' cannot save. Pass it as a jax.Array (jnp.asarray(x)): kd_ckpt'
           ' stores zero-size jax.Arrays. Or drop the leaf.')
+    mine = nbytes if jax.process_index() == 0 else 0  # Orbax: process 0 only.
     return LeafEstimate(
-        path=path, shape=tuple(arr.shape), dtype=str(arr.dtype),
-        global_bytes=nbytes, shard_bytes=nbytes, num_replicas=1,
-        # Orbax writes host values from process 0 only.
-        write_bytes=nbytes if jax.process_index() == 0 else 0,
-        write_bytes_replica_parallel=nbytes if jax.process_index() == 0 else 0,
-        replica_parallel_applies=False, is_array=False,
-    )
+        path=path, shape=tuple(arr.shape), dtype=str(arr.dtype), global_bytes=nbytes,
+        shard_bytes=nbytes, num_replicas=1, write_bytes=mine,
+        write_bytes_replica_parallel=mine, replica_parallel_applies=False, is_array=False)
   if isinstance(x, jax.Array) and x.is_deleted():
     raise ValueError(
         f'Leaf {path!r} is a deleted jax.Array (donated or deleted before the'
         ' save). Save before the step that donates it, or pass a tree of live'
-        ' arrays.'
-    )
-  shape = tuple(int(d) for d in x.shape)
-  dtype = np.dtype(x.dtype) if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else None
-  itemsize = dtype.itemsize if dtype is not None else 8
-  dtype_name = str(x.dtype)
-  sharding = _sharding_of(x)
+        ' arrays.')
+  if tree_lib.is_prng_key(x):
+    # Stored as its key data: uint32 with trailing dims (Orbax's format).
+    sharding = _sharding_of(x)
+    x = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(x.shape, x.dtype))
+    shape = tuple(int(d) for d in x.shape)
+    sharding = _key_data_sharding(sharding, len(shape))
+  else:
+    shape = tuple(int(d) for d in x.shape)
+    sharding = _sharding_of(x)
+  itemsize = np.dtype(x.dtype).itemsize
   global_bytes = math.prod(shape) * itemsize
   shard_shape = tuple(sharding.shard_shape(shape))
   shard_bytes = math.prod(shard_shape) * itemsize
@@ -208,91 +162,31 @@ def estimate_leaf(path: str, x: Any) -> LeafEstimate:
   single = sum(shard_bytes for d in local if ids[d][0] == 0)
   rp_axis = next(
       (a for a, n in enumerate(shard_shape) if num_replicas > 1 and n % num_replicas == 0),
-      None,
-  )
+      None)
   rp_applies = rp_axis is not None and shard_bytes > 0
-  if rp_applies:
-    rp = sum(shard_bytes // num_replicas for d in local if ids[d][0] < num_replicas)
-  else:
-    rp = single
+  rp = (sum(shard_bytes // num_replicas for d in local if ids[d][0] < num_replicas)
+        if rp_applies else single)
   return LeafEstimate(
-      path=path, shape=shape, dtype=dtype_name, global_bytes=global_bytes,
+      path=path, shape=shape, dtype=str(np.dtype(x.dtype)), global_bytes=global_bytes,
       shard_bytes=shard_bytes, num_replicas=num_replicas, write_bytes=single,
-      write_bytes_replica_parallel=rp, replica_parallel_applies=rp_applies,
-  )
+      write_bytes_replica_parallel=rp, replica_parallel_applies=rp_applies)
+
+
+def _key_data_sharding(sharding, ndim: int):
+  """A key array's sharding extended to its key data's trailing dims."""
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(tuple(sharding.spec)))
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[:ndim]))
+  if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    return sharding
+  return jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)))
 
 
 def estimate_tree(tree: Any, *, platform: str | None = None) -> TreeEstimate:
   """Estimates every leaf of `tree`; raises for deleted arrays."""
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  leaves = tuple(estimate_leaf(keystr(p), x) for p, x in flat)
   return TreeEstimate(
-      leaves=leaves,
+      leaves=tuple(estimate_leaf(l.name, l.value) for l in tree_lib.leaves(tree)),
       platform=platform or jax.default_backend(),
       process_index=jax.process_index(),
       process_count=jax.process_count(),
-  )
-
-
-@dataclasses.dataclass(frozen=True)
-class OrbaxCost:
-  """Predicted peak extra host RAM of one Orbax save, by component."""
-
-  host_copy_bytes: int
-  pinned_staging_bytes: int
-  encode_bytes: int
-
-  floor_bytes: int = ORBAX_FLOOR_BYTES
-
-  @property
-  def peak_bytes(self) -> int:
-    return (self.host_copy_bytes + self.pinned_staging_bytes + self.encode_bytes
-            + self.floor_bytes)
-
-
-def predict_orbax(
-    est: TreeEstimate,
-    *,
-    use_replica_parallel: bool,
-    enable_pinned_host_transfer: bool,
-    use_compression: bool,
-    save_concurrent_bytes: int | None = None,
-    save_device_host_concurrent_bytes: int | None = None,
-) -> OrbaxCost:
-  """Predicts the peak extra host RAM of an Orbax save under these settings.
-
-  Async and sync saves peak alike: Orbax copies every array to host before
-  `save()` returns either way; async only moves the encode and write into a
-  background thread, where the host copies stay alive until the commit ends.
-  """
-  on_cpu = est.platform == 'cpu'
-  copies, encodes = [], []
-  for leaf in est.leaves:
-    w = leaf.host_bytes(use_replica_parallel)
-    if not leaf.is_array:
-      copy = 0  # Already host memory.
-    elif on_cpu:
-      sliced = use_replica_parallel and leaf.replica_parallel_applies
-      copy = w if sliced else 0
-    else:
-      copy = w
-    copies.append(copy)
-    encodes.append(
-        w * (ENCODE_FACTOR if use_compression else UNCOMPRESSED_ENCODE_FACTOR)
-    )
-  copy_total = sum(copies)
-  if save_device_host_concurrent_bytes is not None and copies:
-    # Whole arrays are batched up to the limit; one batch is in flight while
-    # the previous one finishes writing.
-    copy_total = min(copy_total, save_device_host_concurrent_bytes + max(copies))
-  encode_total = sum(encodes)
-  if save_concurrent_bytes is not None:
-    encode_total = min(encode_total, save_concurrent_bytes)
-  pinned = 0
-  if enable_pinned_host_transfer and not on_cpu:
-    pinned = copy_total
-  return OrbaxCost(
-      host_copy_bytes=int(copy_total),
-      pinned_staging_bytes=int(pinned),
-      encode_bytes=int(encode_total),
   )

@@ -22,9 +22,10 @@ import dataclasses
 import functools
 import os
 import pathlib
-import socket
 
 import psutil
+
+from kd_ckpt import text
 
 _UNLIMITED_THRESHOLD_BYTES = 1 << 60  # cgroup v1 reports "no limit" as ~2^63.
 
@@ -39,28 +40,37 @@ _LOCAL_PROCESS_COUNT_ENV_VARS = (
 )
 
 
-def _fmt(num_bytes: int | None) -> str:
-  return 'n/a' if num_bytes is None else format_bytes(num_bytes)
+def format_bytes(num_bytes: float | None) -> str:
+  return text.format_bytes(num_bytes)
 
 
-def format_bytes(num_bytes: float) -> str:
-  """`format_bytes(3 * 2**30) == '3.00 GiB'`."""
-  sign = '-' if num_bytes < 0 else ''
-  value = abs(float(num_bytes))
-  for unit in ('B', 'KiB', 'MiB', 'GiB', 'TiB'):
-    if value < 1024 or unit == 'TiB':
-      return f'{sign}{value:.0f} {unit}' if unit == 'B' else f'{sign}{value:.2f} {unit}'
-    value /= 1024
-  raise AssertionError('unreachable')
+_fmt = format_bytes
 
 
 @dataclasses.dataclass(frozen=True)
 class CgroupMemory:
-  """A cgroup's memory limit and current usage (None: no limit found)."""
+  """A cgroup's memory limit and usage (None: not found).
+
+  Attributes:
+    version: 1 or 2.
+    limit_bytes: the tightest memory limit on the way to the root.
+    usage_bytes: `memory.current` (v2) / `memory.usage_in_bytes` (v1), which
+      count the page cache: every checkpoint written raises them.
+    reclaimable_bytes: the inactive file cache (`inactive_file` in
+      `memory.stat`), which the kernel reclaims before it OOM-kills; what
+      Kubernetes subtracts for its working set.
+  """
 
   version: int
   limit_bytes: int | None
   usage_bytes: int | None
+  reclaimable_bytes: int = 0
+
+  @property
+  def working_set_bytes(self) -> int | None:
+    if self.usage_bytes is None:
+      return None
+    return max(0, self.usage_bytes - self.reclaimable_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,58 +160,73 @@ def read_cgroup_memory(
   except (OSError, ValueError):
     pass
 
-  def tightest(base: pathlib.Path, rel: str, limit_name: str, usage_name: str):
-    # Walk from the process's cgroup up to the root; the smallest limit rules.
+  def tightest(base: pathlib.Path, rel: str, limit_name: str, usage_name: str,
+               inactive_key: str):
+    # Walk from the process's cgroup up to the root; the smallest limit rules,
+    # and the usage is that of the limiting cgroup.
     parts = [p for p in rel.split('/') if p]
-    limit, usage = None, None
+    limit, usage, reclaimable = None, None, 0
     for depth in range(len(parts), -1, -1):
       d = base.joinpath(*parts[:depth])
       lim = _read_int(d / limit_name)
-      if usage is None:
-        usage = _read_int(d / usage_name)
+      if usage is None or (lim is not None and (limit is None or lim < limit)):
+        u = _read_int(d / usage_name)
+        if u is not None:
+          usage, reclaimable = u, _read_stat(d / 'memory.stat', inactive_key)
       if lim is not None and (limit is None or lim < limit):
         limit = lim
-    return limit, usage
+    return limit, usage, reclaimable
 
   if (root / 'cgroup.controllers').exists() or (root / 'memory.max').exists():
-    limit, usage = tightest(root, v2_rel, 'memory.max', 'memory.current')
-    return CgroupMemory(version=2, limit_bytes=limit, usage_bytes=usage)
+    limit, usage, rec = tightest(root, v2_rel, 'memory.max', 'memory.current',
+                                 'inactive_file')
+    return CgroupMemory(version=2, limit_bytes=limit, usage_bytes=usage,
+                        reclaimable_bytes=rec)
   v1 = root / 'memory'
   if v1.is_dir():
-    limit, usage = tightest(
-        v1, v1_rel, 'memory.limit_in_bytes', 'memory.usage_in_bytes'
-    )
-    return CgroupMemory(version=1, limit_bytes=limit, usage_bytes=usage)
+    limit, usage, rec = tightest(
+        v1, v1_rel, 'memory.limit_in_bytes', 'memory.usage_in_bytes',
+        'total_inactive_file')
+    return CgroupMemory(version=1, limit_bytes=limit, usage_bytes=usage,
+                        reclaimable_bytes=rec)
   return None
 
 
-@functools.cache
-def local_process_count() -> int:
-  """How many JAX processes run on this host (1 unless told otherwise).
+def _read_stat(path: pathlib.Path, key: str) -> int:
+  """One counter of a cgroup `memory.stat` file (0 when absent)."""
+  try:
+    for line in path.read_text().splitlines():
+      name, _, value = line.partition(' ')
+      if name == key and value.strip().isdigit():
+        return int(value)
+  except OSError:
+    pass
+  return 0
 
-  Launcher environment variables are trusted first.  Failing those, in a
-  multi-process JAX job the processes exchange a hash of their host name once
-  (cached), so two processes on 127.0.0.1 know they share a host.
+
+_exchanged_local_count: int | None = None
+
+
+def note_local_process_count(count: int) -> None:
+  """Records what the save exchange found (`exchange.agree`): reused by probes."""
+  global _exchanged_local_count
+  _exchanged_local_count = max(1, int(count))
+
+
+def local_process_count() -> int:
+  """How many JAX processes share this host; never a collective.
+
+  In order: a launcher's environment variable (`KD_CKPT_LOCAL_PROCESSES`
+  overrides them all), what the last save's exchange found (every process
+  sends its host name there), else 1.  A probe runs inside restore and
+  verify, which must work on a single process of a multi-process checkpoint,
+  so it never talks to other processes itself.
   """
   for name in _LOCAL_PROCESS_COUNT_ENV_VARS:
     value = os.environ.get(name, '')
     if value.isdigit() and int(value) > 0:
       return int(value)
-  try:
-    import jax  # pylint: disable=g-import-not-at-top
-
-    if jax.process_count() <= 1:
-      return 1
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    import numpy as np  # pylint: disable=g-import-not-at-top
-
-    mine = hash(socket.gethostname()) & 0x7FFFFFFF
-    everyone = np.asarray(
-        multihost_utils.process_allgather(np.int64(mine))
-    ).ravel()
-    return max(1, int((everyone == mine).sum()))
-  except Exception:  # pylint: disable=broad-except
-    return 1
+  return _exchanged_local_count or 1
 
 
 def current_rss_bytes() -> int:
@@ -220,7 +245,8 @@ def probe(
   cg = read_cgroup_memory(cgroup_root, proc_cgroup)
   if cg is not None and cg.limit_bytes is not None:
     total = min(total, cg.limit_bytes)
-    used = cg.usage_bytes if cg.usage_bytes is not None else 0
+    # Reclaimable page cache (e.g. the checkpoints just written) is not used.
+    used = cg.working_set_bytes or 0
     available = max(0, min(available, cg.limit_bytes - used))
   return HostMemory(
       total_bytes=total,
@@ -272,8 +298,13 @@ class PeakRss:
 
   def __exit__(self, *exc) -> None:
     self.after_bytes = current_rss_bytes()
-    hwm = _read_status_kib('VmHWM')
-    self.peak_bytes = max(hwm or 0, self.after_bytes, self.before_bytes)
+    self.sample()
+
+  def sample(self) -> int:
+    """Folds the high-water mark so far into `peak_bytes` (any thread)."""
+    hwm = _read_status_kib('VmHWM') or 0
+    self.peak_bytes = max(self.peak_bytes, hwm, self.after_bytes, self.before_bytes)
+    return self.peak_bytes
 
   @property
   def extra_bytes(self) -> int:

@@ -5,9 +5,11 @@ restores silently.  Every kd_ckpt save records, per process, the CRC32C of
 each box (a hyper-rectangle in global coordinates) of logical bytes it wrote:
 
   * streaming: each slice, right after its device-to-host copy;
-  * Orbax strategy: each replica slice, on Orbax's own host copy, right after
-    Orbax's device-to-host transfer (`transfer_arrays_to_host`);
-  * numpy leaves and scalars: the whole value (already on the host).
+  * Orbax strategy: each replica slice, on the host copy Orbax then writes,
+    right after the device-to-host transfer (`orbax_writer`);
+  * numpy leaves and scalars: the whole value (already on the host);
+  * leaves reused from the previous checkpoint (`reuse`): that checkpoint's
+    records, since the bytes are the very same.
 
 No extra pass over the data and no extra copy: the CRC reads the host buffer
 that is about to be written (CRC32C runs at ~7 GB/s here, and releases the
@@ -27,7 +29,6 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import re
 import threading
@@ -35,7 +36,6 @@ from typing import Any, Sequence
 
 from etils import epath
 import google_crc32c
-import jax
 import numpy as np
 
 FILE_PREFIX = 'kd_ckpt_checksums'
@@ -56,16 +56,6 @@ def _files(directory: epath.PathLike) -> list[epath.Path]:
   return sorted(p for p in d.iterdir() if _FILE_RE.match(p.name))
 
 
-def keypath_text(keypath, default: str) -> str:
-  """A leaf's key path as users read it ('opt.mu'); `default` if unknown."""
-  if keypath is None:
-    return default
-  try:
-    return jax.tree_util.keystr(tuple(keypath), simple=True, separator='.')
-  except Exception:  # pylint: disable=broad-exception-caught
-    return default
-
-
 def crc32c(data: np.ndarray, crc: int = 0) -> int:
   """CRC32C of `data`'s bytes in C order, extending `crc`.
 
@@ -78,18 +68,6 @@ def crc32c(data: np.ndarray, crc: int = 0) -> int:
   view = a.reshape(-1).view(np.uint8)
   view.flags.writeable = False
   return google_crc32c.extend(crc, view)
-
-
-def box_of(index: Sequence[Any], shape: Sequence[int]) -> Box:
-  """A tuple of python slices (open ends allowed) as ((start, stop), ...)."""
-  out = []
-  for s, n in zip(index, shape):
-    if isinstance(s, slice):
-      start, stop, _ = s.indices(int(n))
-    else:
-      start, stop = int(s), int(s) + 1
-    out.append((int(start), int(stop)))
-  return tuple(out)
 
 
 @dataclasses.dataclass
@@ -167,56 +145,3 @@ def read(directory: epath.PathLike) -> dict[str, LeafRecord]:
                                      dtype=d['dtype'])
       rec.boxes.extend((tuple(tuple(ab) for ab in box), int(crc)) for box, crc in d['boxes'])
   return out
-
-
-# --- Orbax strategy: checksum Orbax's own host copies --------------------------
-#
-# Orbax's ArrayHandler copies each replica slice to the host in
-# `replica_slices.transfer_arrays_to_host` and writes those buffers later.  We
-# wrap that function once (it is looked up through the module at each call),
-# and the wrapper checksums the host copies of arrays a kd_ckpt save
-# registered.  Arrays nobody registered pass through untouched, so stock Orbax
-# saves in the same process are unaffected.
-
-_registry_lock = threading.Lock()
-_registered: dict[int, tuple[Checksums, str, str]] = {}
-
-
-def register(arrays: Sequence[Any], names: Sequence[str], paths: Sequence[str],
-             sums: Checksums) -> None:
-  """Marks `arrays` (the exact objects Orbax will transfer) for checksumming."""
-  install_orbax_hook()
-  with _registry_lock:
-    for a, n, p in zip(arrays, names, paths):
-      _registered[id(a)] = (sums, n, p)
-
-
-def unregister(sums: Checksums) -> None:
-  """Forgets every array registered for `sums` (its save is over)."""
-  with _registry_lock:
-    for k in [k for k, v in _registered.items() if v[0] is sums]:
-      del _registered[k]
-
-
-@functools.cache
-def install_orbax_hook() -> None:
-  from orbax.checkpoint._src.serialization import replica_slices  # pylint: disable=g-import-not-at-top
-
-  original = replica_slices.transfer_arrays_to_host
-
-  @functools.wraps(original)
-  def transfer_and_checksum(arrays, *args, **kwargs):
-    out = original(arrays, *args, **kwargs)
-    with _registry_lock:
-      hits = [(_registered.get(id(a)), host) for a, host in zip(arrays, out)]
-    for hit, host in hits:
-      if hit is None:
-        continue
-      sums, name, path = hit
-      for rs in host.replica_slices:
-        data = rs.data()
-        sums.add(name, box_of(rs.index, host.global_shape), data, path=path,
-                 shape=host.global_shape, dtype=host.dtype)
-    return out
-
-  replica_slices.transfer_arrays_to_host = transfer_and_checksum

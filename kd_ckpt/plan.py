@@ -1,19 +1,21 @@
-"""The policy: pick the save strategy and Orbax settings that fit the budget.
+"""The policy: rank the ways to save, and pick the first that fits the budget.
 
-Preference, first that fits wins (Orbax's defaults are never taken blindly):
+Each strategy is a small object with its own `predict` (the numbers come from
+`cost`):
 
-  1. Orbax async, zstd on: training continues while the save is written, as
-     with stock Kauldron.  Pinned-host staging only if it fits too.
-  2. Orbax async, zstd off: TensorStore then references the host copy instead
-     of encoding into new buffers (the checkpoint is ~10% larger on disk).
-  3. Orbax sync with `save_device_host_concurrent_bytes` and
-     `save_concurrent_bytes` set, zstd off: batches of whole arrays.
-  4. Streaming: leaf by leaf, big leaves in slices; holds any budget above
-     `streaming.MIN_BUDGET_BYTES`.
+  1. `OrbaxAsync`: Orbax's own async save, raw chunks.  Training continues
+     while the save is written, as with stock Kauldron, but every host copy
+     lives until the background commit ends, and nothing can bound that from
+     outside: it is chosen only when its *worst case* fits.  Variants: replica
+     parallelism on/off, pinned-host staging (GPUs) on/off; the one that
+     makes the busiest host write least, then the fastest, wins.
+  2. `Streaming`: leaf by leaf, big leaves in slices, every host buffer
+     admitted through the host limiter: it holds any budget above
+     `cost.min_budget_bytes()`, on any state, and blocks until durable.
 
-Replica parallelism is chosen per candidate: on, when it lowers what this
-host writes (replicas on other hosts share the work) and costs no extra host
-copy; off otherwise.
+zstd is not among the choices: TensorStore's zstd encoder fragments glibc's
+thread arenas, and RSS ratcheted by +16 MiB per 25 saves (README, "Soak");
+raw chunks cost ~8% more disk on float weights and are faster here.
 
 Example:
 
@@ -26,21 +28,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Literal, Sequence
-
-import numpy as np
+from typing import Any, Literal, Protocol, Sequence
 
 from kd_ckpt import budget as budget_lib
+from kd_ckpt import cost
 from kd_ckpt import estimate as estimate_lib
+from kd_ckpt import exchange
 from kd_ckpt import hostmem
-from kd_ckpt import streaming_layout
+from kd_ckpt import text
 
 Strategy = Literal['auto', 'orbax', 'streaming']
 STRATEGIES = ('auto', 'orbax', 'streaming')
-
-# Orbax's PyTree handler raises if one write is larger than
-# `save_concurrent_bytes`; never set it below this many bytes of a chunk.
-_MIN_CONCURRENT_BYTES = 64 << 20
 
 
 class BudgetTooSmallError(ValueError):
@@ -49,10 +47,10 @@ class BudgetTooSmallError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class OrbaxSettings:
-  """The Orbax knobs kd_ckpt sets (None: not set, Orbax has no limit)."""
+  """The Orbax knobs of an Orbax-strategy save."""
 
   use_async: bool = True
-  use_compression: bool = True
+  use_compression: bool = False
   use_replica_parallel: bool = True
   enable_pinned_host_transfer: bool = False
   save_concurrent_bytes: int | None = None
@@ -64,29 +62,80 @@ class OrbaxSettings:
              'replica-parallel' if self.use_replica_parallel else 'single-replica']
     if self.enable_pinned_host_transfer:
       parts.append('pinned')
-    if self.save_concurrent_bytes is not None:
-      parts.append(f'concurrent={hostmem.format_bytes(self.save_concurrent_bytes)}')
-    if self.save_device_host_concurrent_bytes is not None:
-      parts.append(
-          f'd2h={hostmem.format_bytes(self.save_device_host_concurrent_bytes)}'
-      )
     return ','.join(parts)
 
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
-  """One way to save, with its predicted peak extra host RAM."""
+  """One way to save, with its predicted peak extra host RAM.
+
+  Attributes:
+    name: what the table shows.
+    strategy: 'orbax' or 'streaming'.
+    predicted_peak_bytes: this process's predicted peak.
+    fits: whether it fits the budget on every process.
+    enforced: True when the host limiter bounds it (the prediction is then
+      an upper bound by construction); False for Orbax's own save (the
+      prediction is its worst case).
+    orbax: the Orbax settings, for Orbax candidates.
+    layout: the streaming layout, for streaming.
+    worst_peak_bytes: the highest predicted peak over all processes.
+    written_bytes: bytes the busiest process writes.
+  """
 
   name: str
   strategy: Literal['orbax', 'streaming']
   predicted_peak_bytes: int
   fits: bool
+  enforced: bool
   orbax: OrbaxSettings | None = None
-  slice_bytes: int | None = None
-  slices_in_flight: int | None = None
-  # The highest predicted peak over all processes of a multi-process save
-  # (`fits` is for all of them too); `predicted_peak_bytes` is this one's.
-  worst_peak_bytes: int | None = None
+  layout: cost.StreamingLayout | None = None
+  worst_peak_bytes: int = 0
+  written_bytes: int = 0
+
+
+class SaveStrategy(Protocol):
+  name: str
+
+  def predict(self, est: estimate_lib.TreeEstimate, budget_bytes: int) -> Candidate:
+    ...
+
+
+@dataclasses.dataclass(frozen=True)
+class OrbaxAsync:
+  """Orbax's async save (raw chunks) with given replica/pinned settings."""
+
+  use_replica_parallel: bool
+  enable_pinned_host_transfer: bool = False
+  name: str = 'orbax async raw'
+
+  def predict(self, est, budget_bytes) -> Candidate:
+    c = cost.predict_orbax_async(
+        est, use_replica_parallel=self.use_replica_parallel,
+        enable_pinned_host_transfer=self.enable_pinned_host_transfer)
+    zero_size = any(l.is_array and 0 in l.shape for l in est.leaves)
+    return Candidate(
+        name=self.name, strategy='orbax', predicted_peak_bytes=c.peak_bytes,
+        fits=c.peak_bytes <= budget_bytes and not zero_size, enforced=False,
+        orbax=OrbaxSettings(use_replica_parallel=self.use_replica_parallel,
+                            enable_pinned_host_transfer=self.enable_pinned_host_transfer),
+        worst_peak_bytes=c.peak_bytes,
+        written_bytes=est.total_bytes(self.use_replica_parallel))
+
+
+@dataclasses.dataclass(frozen=True)
+class Streaming:
+  """kd_ckpt's bounded writer (`streaming`)."""
+
+  name: str = 'streaming'
+
+  def predict(self, est, budget_bytes) -> Candidate:
+    layout = cost.streaming_layout(budget_bytes)
+    peak = cost.predict_streaming(est, layout)
+    return Candidate(
+        name=self.name, strategy='streaming', predicted_peak_bytes=peak,
+        fits=layout.feasible and peak <= budget_bytes, enforced=True, layout=layout,
+        worst_peak_bytes=peak, written_bytes=est.total_bytes(True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,13 +147,13 @@ class SavePlan:
     budget_bytes: the resolved host-RAM budget for this process.
     budget_text: the budget as the user wrote it.
     predicted_peak_bytes: predicted peak extra host RAM of the chosen way.
+    enforced: whether the host limiter bounds the chosen way (streaming).
     total_bytes: bytes this host writes.
     global_bytes: bytes of the whole tree.
     num_leaves: leaves in the tree.
     largest_leaf_bytes: the largest leaf (global).
     orbax: the chosen Orbax settings (None for streaming).
-    slice_bytes: streaming slice size (None for Orbax).
-    slices_in_flight: streaming pipeline depth (None for Orbax).
+    layout: the streaming layout (None for Orbax).
     candidates: every strategy considered, with its prediction.
     estimate: the per-leaf estimate the plan was made from.
     platform: JAX backend the estimate is for.
@@ -114,13 +163,13 @@ class SavePlan:
   budget_bytes: int
   budget_text: str
   predicted_peak_bytes: int
+  enforced: bool
   total_bytes: int
   global_bytes: int
   num_leaves: int
   largest_leaf_bytes: int
   orbax: OrbaxSettings | None
-  slice_bytes: int | None
-  slices_in_flight: int | None
+  layout: cost.StreamingLayout | None
   candidates: tuple[Candidate, ...]
   estimate: estimate_lib.TreeEstimate = dataclasses.field(repr=False)
   platform: str = 'cpu'
@@ -129,6 +178,15 @@ class SavePlan:
   def fits(self) -> bool:
     return self.predicted_peak_bytes <= self.budget_bytes
 
+  @property
+  def slice_bytes(self) -> int | None:
+    return self.layout.slice_bytes if self.layout else None
+
+  @property
+  def capacity_bytes(self) -> int:
+    """What the host limiter admits (budget less the fixed floor)."""
+    return cost.limiter_capacity(self.budget_bytes)
+
   def to_json_dict(self) -> dict[str, Any]:
     """A JSON-serialisable summary (what `python -m kd_ckpt plan --json` prints)."""
     return {
@@ -136,6 +194,7 @@ class SavePlan:
         'budget_bytes': self.budget_bytes,
         'budget': self.budget_text,
         'predicted_peak_bytes': self.predicted_peak_bytes,
+        'enforced': self.enforced,
         'total_bytes': self.total_bytes,
         'global_bytes': self.global_bytes,
         'num_leaves': self.num_leaves,
@@ -143,14 +202,11 @@ class SavePlan:
         'platform': self.platform,
         'orbax': dataclasses.asdict(self.orbax) if self.orbax else None,
         'slice_bytes': self.slice_bytes,
-        'slices_in_flight': self.slices_in_flight,
+        'group_bytes': self.layout.group_bytes if self.layout else None,
         'candidates': [
-            {
-                'name': c.name,
-                'strategy': c.strategy,
-                'predicted_peak_bytes': c.predicted_peak_bytes,
-                'fits': c.fits,
-            }
+            {'name': c.name, 'strategy': c.strategy,
+             'predicted_peak_bytes': c.predicted_peak_bytes, 'fits': c.fits,
+             'enforced': c.enforced}
             for c in self.candidates
         ],
         'largest_leaves': [
@@ -167,22 +223,21 @@ class SavePlan:
     """The chosen Orbax settings or streaming layout, short."""
     if self.orbax is not None:
       return self.orbax.short()
-    return (f'slices of {hostmem.format_bytes(self.slice_bytes or 0)},'
-            f' {self.slices_in_flight} in flight')
+    assert self.layout is not None
+    return (f'slices of {text.format_bytes(self.layout.slice_bytes)},'
+            f' limiter {text.format_bytes(self.layout.capacity_bytes)}')
 
   def summary(self) -> str:
     """One line, for logs."""
-    how = self.settings_text()
+    bound = 'enforced' if self.enforced else 'worst case'
     return (
-        f'strategy={self.strategy} ({how}) predicted peak'
-        f' {hostmem.format_bytes(self.predicted_peak_bytes)} of budget'
-        f' {hostmem.format_bytes(self.budget_bytes)} ({self.budget_text});'
-        f' writes {hostmem.format_bytes(self.total_bytes)} in'
-        f' {self.num_leaves} leaves'
-    )
+        f'strategy={self.strategy} ({self.settings_text()}) peak'
+        f' {text.format_bytes(self.predicted_peak_bytes)} ({bound}) of budget'
+        f' {text.format_bytes(self.budget_bytes)} ({self.budget_text});'
+        f' writes {text.format_bytes(self.total_bytes)} in {self.num_leaves} leaves')
 
   def __str__(self) -> str:
-    fb = hostmem.format_bytes
+    fb = text.format_bytes
     lines = [
         f'kd_ckpt save plan ({self.platform}, process'
         f' {self.estimate.process_index}/{self.estimate.process_count})',
@@ -192,142 +247,57 @@ class SavePlan:
         f'  choice            {self.summary()}',
         '',
     ]
-    rows = [('candidate', 'predicted peak', 'x budget', 'fits')]
+    rows = [('candidate', 'predicted peak', 'x budget', 'bound', 'fits')]
     for c in self.candidates:
-      rows.append((
-          c.name, fb(c.predicted_peak_bytes),
-          f'{c.predicted_peak_bytes / max(1, self.budget_bytes):.2f}',
-          'yes' if c.fits else 'no',
-      ))
-    lines.append(estimate_lib._table(rows))  # pylint: disable=protected-access
+      rows.append((c.name + (f' ({c.orbax.short()})' if c.orbax else ''),
+                   fb(c.predicted_peak_bytes),
+                   f'{c.predicted_peak_bytes / max(1, self.budget_bytes):.2f}',
+                   'enforced' if c.enforced else 'worst case', 'yes' if c.fits else 'no'))
+    lines.append(text.table(rows))
     lines.append('')
     lines.append(str(self.estimate))
     return '\n'.join(lines)
 
 
-def all_processes(values: Sequence[int]) -> np.ndarray:
-  """`values` (ints in [0, 2**62)) of every process, shape (processes, len).
-
-  Collective in a multi-process job: every process calls it with as many
-  values.  With one process nothing is exchanged.
-  """
-  import jax  # pylint: disable=g-import-not-at-top
-
-  v = np.asarray(values, dtype=np.int64).reshape(-1)
-  if jax.process_count() == 1:
-    return v[None]
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-
-  # Two int32 halves: without jax_enable_x64 an int64 would be truncated.
-  halves = np.stack([v >> 31, v & 0x7FFFFFFF]).astype(np.int32)
-  out = np.asarray(multihost_utils.process_allgather(halves)).astype(np.int64)
-  return (out[:, 0] << 31) | out[:, 1]
-
-
-def _orbax_variants(est, budget_bytes, settings_list) -> list[tuple]:
-  """(settings, this process's cost, fits here) of each settings variant."""
-  out = []
-  for s in settings_list:
-    cost = estimate_lib.predict_orbax(
-        est,
-        use_replica_parallel=s.use_replica_parallel,
-        enable_pinned_host_transfer=s.enable_pinned_host_transfer,
-        use_compression=s.use_compression,
-        save_concurrent_bytes=s.save_concurrent_bytes,
-        save_device_host_concurrent_bytes=s.save_device_host_concurrent_bytes,
-    )
-    fits = cost.peak_bytes <= budget_bytes and restorable_within(est, s, budget_bytes)
-    out.append((s, cost, fits))
+def strategies_for(platform: str) -> list[SaveStrategy]:
+  """Every way to save, in order of preference (variants of one kind together)."""
+  accelerator = platform in ('gpu', 'cuda', 'rocm')
+  out: list[SaveStrategy] = []
+  for rp in (True, False):
+    if accelerator:
+      out.append(OrbaxAsync(use_replica_parallel=rp, enable_pinned_host_transfer=True))
+    out.append(OrbaxAsync(use_replica_parallel=rp))
+  out.append(Streaming())
   return out
-
-
-def _orbax_candidate(name, variants, worst, budget_bytes) -> Candidate:
-  """The cheapest of several settings variants (e.g. replica parallel on/off).
-
-  `worst[i]` is (highest peak, most bytes written, fits everywhere) of
-  variant i over all processes: they must all pick the same variant.
-  """
-  best = None
-  for (s, cost, _), (peak, nbytes, fits) in zip(variants, worst):
-    # Among variants that fit: fewest bytes written by the busiest host
-    # (replica parallelism across hosts), then pinned-host staging (faster
-    # D2H), then the lowest peak.
-    key = (peak > budget_bytes, nbytes, not s.enable_pinned_host_transfer, peak)
-    if best is None or key < best[0]:
-      best = (key, s, cost, peak, fits)
-  _, s, cost, peak, fits = best
-  return Candidate(
-      name=name, strategy='orbax', predicted_peak_bytes=cost.peak_bytes,
-      fits=bool(fits), orbax=s, worst_peak_bytes=int(peak),
-  )
-
-
-def restorable_within(est, s: OrbaxSettings, budget_bytes: int) -> bool:
-  """Whether an Orbax-written checkpoint can be restored within the budget.
-
-  Orbax stores one zarr chunk per saved shard (or replica-parallel part),
-  and reading any part of a chunk decodes all of it: the compressed and the
-  decoded chunk are both in memory.  Smaller chunks (`SaveArgs.chunk_byte_size`)
-  would fix that, but inside Orbax's single save transaction they cost a full
-  extra copy of the state (measured 310 MiB for a 512 MiB state), so a state
-  with shards this large goes to the streaming writer instead.
-  """
-  unit = max((l.shard_bytes // l.num_replicas
-              if s.use_replica_parallel and l.replica_parallel_applies
-              else l.shard_bytes for l in est.leaves), default=0)
-  return unit * (1 + estimate_lib.ENCODE_FACTOR) <= budget_bytes
 
 
 def candidates_for(est: estimate_lib.TreeEstimate, budget_bytes: int) -> list[Candidate]:
-  """Every way to save `est`, in order of preference.
+  """Each strategy's prediction; in a multi-process job, agreed by all processes.
 
-  In a multi-process save each process writes its part of the same arrays,
-  so all must choose alike (compression, replica parallelism and chunk grid
-  are part of the on-disk format): a candidate fits only where it fits on
-  every process, and variants are ranked by the worst process.  Collective
-  when `est.process_count > 1`; `budget_bytes` must be the same everywhere.
+  A candidate fits only where it fits on every process, and Orbax variants
+  are ranked by the busiest process (collective when
+  `est.process_count > 1`; `budget_bytes` must be the same everywhere).
   """
-  groups = []
-  rp_options = (True, False)
-  accelerator = est.platform in ('gpu', 'cuda', 'rocm')
-  for compress, name in ((True, 'orbax async zstd'), (False, 'orbax async raw')):
-    variants = []
-    for rp in rp_options:
-      if accelerator:
-        variants.append(OrbaxSettings(use_compression=compress, use_replica_parallel=rp,
-                                      enable_pinned_host_transfer=True))
-      variants.append(OrbaxSettings(use_compression=compress, use_replica_parallel=rp))
-    groups.append((name, _orbax_variants(est, budget_bytes, variants)))
-  # Limited: leave a third of the budget to each of the two limits and the
-  # largest array (the d2h batcher always lets one whole array through).
-  limit = max(_MIN_CONCURRENT_BYTES, budget_bytes // 3)
-  groups.append(('orbax sync limited', _orbax_variants(est, budget_bytes, [
-      OrbaxSettings(use_async=False, use_compression=False, use_replica_parallel=rp,
-                    save_concurrent_bytes=limit,
-                    save_device_host_concurrent_bytes=limit)
-      for rp in rp_options
-  ])))
-  layout = streaming_layout.choose(budget_bytes)
-  peak = streaming_layout.predict_peak(est, layout)
-  stream_fits = peak <= budget_bytes and layout.feasible
-  # One row per variant, streaming last: (peak, bytes written, fits here).
-  rows = [(c.peak_bytes, est.total_bytes(s.use_replica_parallel), int(f))
-          for _, vs in groups for s, c, f in vs]
-  rows.append((peak, 0, int(stream_fits)))
+  cands = [s.predict(est, budget_bytes) for s in strategies_for(est.platform)]
   if est.process_count > 1:
-    everyone = all_processes([x for r in rows for x in r]).reshape(-1, len(rows), 3)
-    rows = [(int(p), int(n), bool(f)) for p, n, f in zip(
-        everyone[..., 0].max(0), everyone[..., 1].max(0), everyone[..., 2].min(0))]
-  out, i = [], 0
-  for name, vs in groups:
-    out.append(_orbax_candidate(name, vs, rows[i:i + len(vs)], budget_bytes))
-    i += len(vs)
-  out.append(Candidate(
-      name='streaming', strategy='streaming', predicted_peak_bytes=peak,
-      fits=bool(rows[-1][2]), worst_peak_bytes=int(rows[-1][0]),
-      slice_bytes=layout.slice_bytes, slices_in_flight=layout.slices_in_flight,
-  ))
-  return out
+    rows = exchange.agree(
+        [x for c in cands for x in (c.predicted_peak_bytes, c.written_bytes, int(c.fits))],
+        what='the save plan').reshape(est.process_count, len(cands), 3)
+    cands = [dataclasses.replace(c, worst_peak_bytes=int(rows[:, i, 0].max()),
+                                 written_bytes=int(rows[:, i, 1].max()),
+                                 fits=bool(rows[:, i, 2].min()))
+             for i, c in enumerate(cands)]
+  return cands
+
+
+def _best_orbax(cands: Sequence[Candidate], budget_bytes: int) -> Candidate | None:
+  """The Orbax variant that makes the busiest host write least, then pinned, then lowest peak."""
+  orbax = [c for c in cands if c.strategy == 'orbax']
+  if not orbax:
+    return None
+  return min(orbax, key=lambda c: (
+      c.worst_peak_bytes > budget_bytes, c.written_bytes,
+      not c.orbax.enable_pinned_host_transfer, c.worst_peak_bytes))
 
 
 def check_strategy(strategy: str) -> str:
@@ -335,68 +305,76 @@ def check_strategy(strategy: str) -> str:
     raise ValueError(
         f'Unknown strategy={strategy!r}. It needs to be one of {list(STRATEGIES)}:'
         ' "auto" picks the fastest way that fits the budget, "orbax" forces'
-        ' an Orbax save (with settings fitted to the budget where possible),'
-        ' "streaming" forces the bounded slice-by-slice writer.'
-    )
+        " Orbax's own async save (its worst case must fit), \"streaming\" forces"
+        ' the bounded slice-by-slice writer.')
   return strategy
 
 
 def plan_from_estimate(
-    est: estimate_lib.TreeEstimate,
-    *,
-    budget_bytes: int,
-    budget_text: str = '',
-    strategy: str = 'auto',
-) -> SavePlan:
-  """Chooses among `candidates_for(est)`; raises BudgetTooSmallError if none fit."""
+    est: estimate_lib.TreeEstimate, *, budget_bytes: int, budget_text: str = '',
+    strategy: str = 'auto') -> SavePlan:
+  """Chooses among `candidates_for(est)`; raises BudgetTooSmallError if none fits."""
   check_strategy(strategy)
   cands = candidates_for(est, budget_bytes)
-  pool = [c for c in cands if strategy == 'auto' or c.strategy == strategy]
+  stream = next(c for c in cands if c.strategy == 'streaming')
+  best_orbax = _best_orbax(cands, budget_bytes)
   empty = [l.path for l in est.leaves if l.is_array and 0 in l.shape]
-  if empty:
+  if empty and strategy == 'orbax':
     # Orbax 0.12 refuses zero-size arrays; the streaming writer stores them
-    # in Orbax's own format (zarr metadata, no chunks), which stock Orbax
-    # restores.
-    if strategy == 'orbax':
-      raise ValueError(
-          f'Leaf {empty[0]!r} has zero size, which Orbax cannot save.'
-          ' Use strategy="auto" or "streaming" (kd_ckpt\'s streaming writer'
-          ' stores zero-size arrays), or drop the leaf.')
-    pool = [c for c in pool if c.strategy == 'streaming']
-  fitting = [c for c in pool if c.fits]
-  if fitting:
-    choice = fitting[0]
-  elif strategy == 'orbax':
-    # The user insisted on Orbax: give the cheapest Orbax settings and let
-    # the log and report say it will not fit.
-    choice = min(pool, key=lambda c: c.worst_peak_bytes)
+    # in Orbax's own format (zarr metadata, no chunks).
+    raise ValueError(
+        f'Leaf {empty[0]!r} has zero size, which Orbax cannot save. Use'
+        ' strategy="auto" or "streaming" (kd_ckpt\'s streaming writer stores'
+        ' zero-size arrays), or drop the leaf.')
+  if strategy == 'orbax':
+    choice = best_orbax
+    if not choice.fits:
+      raise BudgetTooSmallError(
+          f"strategy='orbax': Orbax's own save peaks at up to"
+          f' {text.format_bytes(choice.worst_peak_bytes)} for this tree (every host'
+          ' copy lives until its background commit ends), more than'
+          f' host_ram_budget={budget_text or budget_bytes}'
+          f' ({text.format_bytes(budget_bytes)}). Use strategy="auto" or'
+          f' "streaming" (bounded), or raise the budget to at least'
+          f' {text.format_bytes(choice.worst_peak_bytes)}.')
+  elif strategy == 'auto' and best_orbax is not None and best_orbax.fits:
+    choice = best_orbax
+  elif stream.fits:
+    choice = stream
   else:
-    stream = next(c for c in cands if c.strategy == 'streaming')
     raise BudgetTooSmallError(
         f'host_ram_budget={budget_text or budget_bytes} resolves to'
-        f' {hostmem.format_bytes(budget_bytes)}, below what any strategy needs'
-        f' for this tree: the streaming save needs at least'
-        f' {hostmem.format_bytes(streaming_layout.MIN_BUDGET_BYTES)} and is'
-        f' predicted at {hostmem.format_bytes(stream.predicted_peak_bytes)}.'
-        f' Raise host_ram_budget to at least'
-        f' {hostmem.format_bytes(max(stream.predicted_peak_bytes, streaming_layout.MIN_BUDGET_BYTES))}.'
-    )
+        f' {text.format_bytes(budget_bytes)}, below the smallest budget kd_ckpt'
+        f' can honour ({text.format_bytes(cost.min_budget_bytes())}: a fixed floor of'
+        f' {text.format_bytes(cost.FLOOR_BYTES)} plus room for a few'
+        f' {text.format_bytes(cost.MIN_SLICE_BYTES)} slices). Raise host_ram_budget'
+        f' to at least {text.format_bytes(cost.min_budget_bytes())}.')
+  use_rp = choice.orbax.use_replica_parallel if choice.orbax else True
   return SavePlan(
-      strategy=choice.strategy,
-      budget_bytes=budget_bytes,
+      strategy=choice.strategy, budget_bytes=budget_bytes,
       budget_text=budget_text or str(budget_bytes),
-      predicted_peak_bytes=choice.predicted_peak_bytes,
-      total_bytes=est.total_bytes(choice.orbax.use_replica_parallel if choice.orbax else True),
-      global_bytes=est.global_bytes,
+      predicted_peak_bytes=choice.predicted_peak_bytes, enforced=choice.enforced,
+      total_bytes=est.total_bytes(use_rp), global_bytes=est.global_bytes,
       num_leaves=est.num_leaves,
       largest_leaf_bytes=max((l.global_bytes for l in est.leaves), default=0),
-      orbax=choice.orbax,
-      slice_bytes=choice.slice_bytes,
-      slices_in_flight=choice.slices_in_flight,
-      candidates=tuple(cands),
-      estimate=est,
-      platform=est.platform,
-  )
+      orbax=choice.orbax, layout=choice.layout, candidates=tuple(cands),
+      estimate=est, platform=est.platform)
+
+
+def agreed_budget(spec: budget_lib.BudgetSpec, mem: hostmem.HostMemory | None,
+                  process_count: int) -> int:
+  """The budget every process plans with: the smallest (collective if > 1)."""
+  mem = mem if mem is not None else hostmem.probe()
+  budget_bytes = budget_lib.resolve(spec, mem)
+  if process_count == 1:
+    return budget_bytes
+  known = mem.local_process_count
+  everyone = exchange.agree([budget_bytes], what='the save budget')
+  if spec.fraction is not None and hostmem.local_process_count() != known:
+    # First save: now we know how many processes share this host.
+    budget_bytes = budget_lib.resolve(spec, hostmem.probe())
+    everyone = exchange.agree([budget_bytes], what='the save budget')
+  return int(everyone.min())
 
 
 def plan_save(
@@ -412,7 +390,9 @@ def plan_save(
   Args:
     tree: a pytree of `jax.Array`s, `jax.ShapeDtypeStruct`s with shardings
       (e.g. from `jax.eval_shape`), numpy arrays and scalars.
-    host_ram_budget: extra host RAM the save may add; see `kd_ckpt.budget`.
+    host_ram_budget: the most extra host RAM the save may add: peak RSS
+      during the save (async commit included) minus RSS just before it; see
+      `kd_ckpt.budget`.
     strategy: 'auto', 'orbax' or 'streaming'.
     memory: a host-memory probe to plan against (default: probe now).
     platform: plan as if saving from this JAX backend ('gpu', 'tpu', 'cpu';
@@ -424,8 +404,8 @@ def plan_save(
     A `SavePlan`; `print(plan)` shows the table.
 
   In a multi-process job this is collective, like the save it plans: call it
-  on every process.  The processes plan with the smallest of their budgets
-  and choose the same way to save (see `candidates_for`).
+  on every process (`kd_ckpt.exchange`).  The processes plan with the
+  smallest of their budgets and choose the same way to save.
 
   Raises:
     ValueError: bad budget or strategy, or a deleted array in the tree.
@@ -433,12 +413,7 @@ def plan_save(
   """
   check_strategy(strategy)
   spec = budget_lib.parse(host_ram_budget)
-  mem = memory if memory is not None else hostmem.probe()
-  budget_bytes = budget_lib.resolve(spec, mem)
   est = estimate_lib.estimate_tree(tree, platform=platform)
-  if est.process_count > 1:
-    # "auto" resolves per host; the streaming chunk grid follows the budget.
-    budget_bytes = int(all_processes([budget_bytes]).min())
-  return plan_from_estimate(
-      est, budget_bytes=budget_bytes, budget_text=spec.text, strategy=strategy
-  )
+  budget_bytes = agreed_budget(spec, memory, est.process_count)
+  return plan_from_estimate(est, budget_bytes=budget_bytes, budget_text=spec.text,
+                            strategy=strategy)

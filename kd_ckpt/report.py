@@ -1,4 +1,4 @@
-"""What a save did, measured: the value `kd_ckpt.save` returns and logs.
+"""What a save did, measured: the value `kd_ckpt.save` returns and every save logs.
 
 Example:
 
@@ -13,7 +13,7 @@ import dataclasses
 import json
 from typing import Any
 
-from kd_ckpt import hostmem
+from kd_ckpt import text
 
 # Written next to kd_ckpt's checkpoints (never inside Orbax's item folders):
 # `python -m kd_ckpt inspect` reads it to say which strategy wrote a step.
@@ -29,12 +29,20 @@ class SaveReport:
     strategy: 'orbax' or 'streaming'.
     settings: the Orbax settings or streaming layout used, as a short string.
     budget_bytes: the resolved host-RAM budget.
-    predicted_peak_bytes: the plan's prediction of peak extra RSS.
-    peak_extra_bytes: measured peak RSS during the save minus RSS before it
+    predicted_peak_bytes: the plan's prediction of peak extra RSS (an upper
+      bound the limiter enforces for streaming; Orbax's worst case otherwise).
+    peak_extra_bytes: measured peak RSS during the whole save (for an async
+      save, until its background commit finished) minus RSS just before it
       (`/proc/self/clear_refs` + `VmHWM`).
     retained_bytes: RSS after the save (and the memory release) minus before.
     bytes_written: bytes of array data this host wrote (uncompressed).
-    seconds: wall time of the save, until durable on disk.
+    bytes_reused: bytes of unchanged leaves taken by reference from the
+      previous checkpoint instead of being written.
+    leaves_reused: how many leaves (this host's parts) were reused.
+    seconds: wall time of the save, until durable on disk (async: until the
+      background commit finished).
+    async_commit: True when the save returned before its commit finished;
+      the numbers then cover the commit too.
     exact_peak: False where the kernel refused the peak reset (then the
       peak is the process's lifetime high-water mark).
   """
@@ -48,23 +56,10 @@ class SaveReport:
   retained_bytes: int
   bytes_written: int
   seconds: float
+  bytes_reused: int = 0
+  leaves_reused: int = 0
+  async_commit: bool = False
   exact_peak: bool = True
-
-  @classmethod
-  def measured(cls, directory: str, plan, peak: hostmem.PeakRss, seconds: float) -> 'SaveReport':
-    """The report of a save made under `plan` (a SavePlan), measured by `peak`."""
-    return cls(
-        directory=directory,
-        strategy=plan.strategy,
-        settings=plan.settings_text(),
-        budget_bytes=plan.budget_bytes,
-        predicted_peak_bytes=plan.predicted_peak_bytes,
-        peak_extra_bytes=peak.extra_bytes,
-        retained_bytes=peak.retained_bytes,
-        bytes_written=plan.total_bytes,
-        seconds=seconds,
-        exact_peak=peak.exact,
-    )
 
   @property
   def gb_per_sec(self) -> float:
@@ -85,29 +80,32 @@ class SaveReport:
       json.dump(self.to_json_dict(), f, indent=2)
 
   def summary(self) -> str:
-    fb = hostmem.format_bytes
+    fb = text.format_bytes
+    reused = (f', reused {fb(self.bytes_reused)} ({self.leaves_reused} leaves)'
+              if self.leaves_reused else '')
+    when = ' (async, commit included)' if self.async_commit else ''
     return (
         f'{self.strategy} ({self.settings}): peak extra RSS'
         f' {fb(self.peak_extra_bytes)} of budget {fb(self.budget_bytes)}'
-        f' (predicted {fb(self.predicted_peak_bytes)}),'
-        f' {fb(self.bytes_written)} in {self.seconds:.2f} s'
-        f' ({self.gb_per_sec:.2f} GB/s)'
-    )
+        f' (predicted {fb(self.predicted_peak_bytes)}){when},'
+        f' wrote {fb(self.bytes_written)}{reused} in {self.seconds:.2f} s'
+        f' ({self.gb_per_sec:.2f} GB/s)')
 
   def __str__(self) -> str:
-    fb = hostmem.format_bytes
+    fb = text.format_bytes
     rows = [
         ('directory', self.directory),
         ('strategy', f'{self.strategy} ({self.settings})'),
         ('budget', fb(self.budget_bytes)),
         ('predicted peak extra RSS', fb(self.predicted_peak_bytes)),
         ('measured peak extra RSS',
-         fb(self.peak_extra_bytes) + ('' if self.exact_peak else ' (lifetime HWM)')),
+         fb(self.peak_extra_bytes) + ('' if self.exact_peak else ' (lifetime HWM)')
+         + (' (async commit included)' if self.async_commit else '')),
         ('peak / budget', f'{self.peak_extra_bytes / max(1, self.budget_bytes):.2f}'),
         ('RSS retained after save', fb(self.retained_bytes)),
         ('bytes written', fb(self.bytes_written)),
+        ('bytes reused', f'{fb(self.bytes_reused)} ({self.leaves_reused} leaves)'),
         ('seconds', f'{self.seconds:.2f}'),
         ('throughput', f'{self.gb_per_sec:.2f} GB/s'),
     ]
-    width = max(len(k) for k, _ in rows)
-    return '\n'.join(f'{k:<{width}}  {v}' for k, v in rows)
+    return text.key_values(rows)

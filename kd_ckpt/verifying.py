@@ -1,8 +1,12 @@
-"""Verify: re-read a checkpoint within a budget and check every recorded CRC32C.
+"""Verify: re-read a checkpoint within a budget and check every leaf's CRC32C.
 
-Each box a save recorded (see `kd_ckpt.integrity`) is read back through
-TensorStore in pieces of at most the budget's slice size, in C order, so the
-running CRC32C equals the one taken at save time without ever holding the box.
+The leaves come from the checkpoint's own metadata (`_METADATA`), not from
+the checksum records, so a leaf nobody checksummed is reported `unchecked`
+rather than silently skipped.  Each box a save recorded (see
+`kd_ckpt.integrity`) is read back in pieces of at most the budget's piece
+size, in C order, so the running CRC32C equals the one taken at save time
+without ever holding the box; stored chunks bigger than a piece are read in
+byte ranges or streamed through zstd (`reading`).
 
 Example:
 
@@ -11,7 +15,8 @@ Example:
   if not report.ok:
     raise SystemExit(1)
 
-  # or on the command line (exit status 1 when any leaf is corrupt):
+  # or on the command line (exit status 1 when any leaf is corrupt, and when
+  # one is unchecked unless --allow-unchecked):
   #   python -m kd_ckpt verify /ckpt/step_100
 """
 
@@ -26,10 +31,18 @@ from typing import Any
 from etils import epath
 import numpy as np
 
+from kd_ckpt import arrays as arrays_lib
 from kd_ckpt import budget as budget_lib
+from kd_ckpt import compat
+from kd_ckpt import cost
 from kd_ckpt import hostmem
 from kd_ckpt import integrity
-from kd_ckpt import restoring
+from kd_ckpt import reading
+from kd_ckpt import slicing
+from kd_ckpt import text
+
+# Orbax stores these as arrays in the OCDBT database (strings go elsewhere).
+_STORED_TYPES = ('jax.Array', 'np.ndarray', 'scalar')
 
 
 class CorruptCheckpointError(ValueError):
@@ -40,12 +53,17 @@ class NoChecksumsError(ValueError):
   """The checkpoint has no kd_ckpt checksums (saved by stock Orbax or older kd_ckpt)."""
 
 
-OK, CORRUPT, UNREADABLE, INCOMPLETE = 'ok', 'CORRUPT', 'unreadable', 'incomplete'
+OK, CORRUPT, UNREADABLE, INCOMPLETE, UNCHECKED = (
+    'ok', 'CORRUPT', 'unreadable', 'incomplete', 'unchecked')
 
 
 @dataclasses.dataclass(frozen=True)
 class LeafCheck:
-  """One stored array: `status` is ok, CORRUPT, unreadable or incomplete."""
+  """One stored array: ok, CORRUPT, unreadable, incomplete or unchecked.
+
+  `unchecked`: the checkpoint stores the leaf, but no checksum was recorded
+  for it (saved by stock Orbax or an older kd_ckpt), so nothing vouches for it.
+  """
 
   name: str
   path: str
@@ -65,11 +83,16 @@ class VerifyReport:
 
   @property
   def ok(self) -> bool:
-    return all(l.status == OK for l in self.leaves)
+    """No leaf is corrupt, unreadable or incomplete (unchecked ones aside)."""
+    return all(l.status in (OK, UNCHECKED) for l in self.leaves)
 
   @property
   def bad(self) -> tuple[LeafCheck, ...]:
-    return tuple(l for l in self.leaves if l.status != OK)
+    return tuple(l for l in self.leaves if l.status not in (OK, UNCHECKED))
+
+  @property
+  def unchecked(self) -> tuple[LeafCheck, ...]:
+    return tuple(l for l in self.leaves if l.status == UNCHECKED)
 
   @property
   def checked_bytes(self) -> int:
@@ -81,14 +104,20 @@ class VerifyReport:
     return d
 
   def summary(self) -> str:
-    verdict = 'all OK' if self.ok else f'{len(self.bad)} BAD: ' + ', '.join(
-        l.path for l in self.bad[:5]) + (' ...' if len(self.bad) > 5 else '')
-    return (f'{len(self.leaves)} leaves, {hostmem.format_bytes(self.checked_bytes)}'
+    if not self.ok:
+      verdict = f'{len(self.bad)} BAD: ' + ', '.join(
+          l.path for l in self.bad[:5]) + (' ...' if len(self.bad) > 5 else '')
+    elif self.unchecked:
+      verdict = f'{len(self.unchecked)} UNCHECKED (no checksum recorded): ' + ', '.join(
+          l.path for l in self.unchecked[:5]) + (' ...' if len(self.unchecked) > 5 else '')
+    else:
+      verdict = 'all OK'
+    return (f'{len(self.leaves)} leaves, {text.format_bytes(self.checked_bytes)}'
             f' checked in {self.seconds:.2f} s: {verdict}')
 
   def __str__(self) -> str:
     rows = [('leaf', 'bytes', 'status', 'detail')]
-    rows += [(l.path, hostmem.format_bytes(l.checked_bytes), l.status, l.detail)
+    rows += [(l.path, text.format_bytes(l.checked_bytes), l.status, l.detail)
              for l in self.leaves]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = [f'verify {self.directory}: {self.summary()}']
@@ -97,12 +126,8 @@ class VerifyReport:
     return '\n'.join(lines)
 
 
-def _read(t, box: integrity.Box, dtype: np.dtype) -> np.ndarray:
-  data = t[tuple(slice(a, b) for a, b in box)].read().result()
-  return data if data.dtype == dtype else data.astype(dtype)
-
-
-def _crc_box(t, box: integrity.Box, dtype: np.dtype, limit: int, crc: int = 0, axis: int = 0) -> int:
+def _crc_box(src: reading.Source, box: integrity.Box, dtype: np.dtype, limit: int,
+             crc: int = 0, axis: int = 0) -> int:
   """CRC32C of `box` in C order, reading pieces of at most ~`limit` bytes.
 
   Dims before `axis` are one index wide, so concatenating the pieces along
@@ -110,35 +135,35 @@ def _crc_box(t, box: integrity.Box, dtype: np.dtype, limit: int, crc: int = 0, a
   """
   dims = [b - a for a, b in box]
   if math.prod(dims) * dtype.itemsize <= limit or axis >= len(box):
-    return integrity.crc32c(_read(t, box, dtype), crc)
+    with src.assembled(slicing.from_pairs(box)) as data:
+      return integrity.crc32c(data if data.dtype == dtype else data.astype(dtype), crc)
   inner = math.prod(dims[axis + 1:]) * dtype.itemsize
   a0, b0 = box[axis]
   if inner <= limit:
     step = max(1, limit // max(1, inner))
     for s in range(a0, b0, step):
       piece = box[:axis] + ((s, min(b0, s + step)),) + box[axis + 1:]
-      crc = integrity.crc32c(_read(t, piece, dtype), crc)
+      crc = _crc_box(src, piece, dtype, limit, crc, len(box))
     return crc
   for s in range(a0, b0):
-    crc = _crc_box(t, box[:axis] + ((s, s + 1),) + box[axis + 1:], dtype, limit, crc, axis + 1)
+    crc = _crc_box(src, box[:axis] + ((s, s + 1),) + box[axis + 1:], dtype, limit, crc, axis + 1)
   return crc
 
 
-def check_leaf(directory: epath.Path, rec: integrity.LeafRecord, limit: int,
-               context=None) -> LeafCheck:
+def check_leaf(directory: epath.Path, rec: integrity.LeafRecord, ctx: reading.ReadContext) -> LeafCheck:
   """Re-reads every recorded box of one array and compares CRCs."""
   dtype = np.dtype(rec.dtype)
   try:
-    t = restoring.open_array(directory, rec.name, context)
+    src = reading.open_stored(directory, rec.name, ctx)
   except Exception as e:  # pylint: disable=broad-exception-caught
     return LeafCheck(rec.name, rec.path, UNREADABLE, 0, f'cannot open: {_short(e)}')
-  if tuple(t.shape) != tuple(rec.shape):
+  if tuple(src.shape) != tuple(rec.shape):
     return LeafCheck(rec.name, rec.path, CORRUPT, 0,
-                     f'stored shape {tuple(t.shape)} != recorded {tuple(rec.shape)}')
+                     f'stored shape {tuple(src.shape)} != recorded {tuple(rec.shape)}')
   checked = 0
   for box, want in rec.boxes:
     try:
-      got = _crc_box(t, box, dtype, limit)
+      got = _crc_box(src, box, dtype, ctx.piece_bytes)
     except Exception as e:  # pylint: disable=broad-exception-caught
       return LeafCheck(rec.name, rec.path, UNREADABLE, checked,
                        f'read of box {_box_text(box)} failed: {_short(e)}')
@@ -186,16 +211,22 @@ def verify(
         ' against. For a Kauldron step, pass its item folder (ckpt_N/default).'
     )
   budget_bytes = budget_lib.resolve(budget_lib.parse(host_ram_budget), hostmem.probe())
-  limit = restoring.restore_slice_bytes(budget_bytes)
+  ctx = arrays_lib.read_context_for(cost.limiter_capacity(budget_bytes))
   hostmem.use_mmap_for_large_buffers()
   hostmem.release_free_memory()
-  with hostmem.PeakRss() as peak:
+  with hostmem.PeakRss() as peak, ctx.limiter.lease(ctx.capacity_bytes):
     start = time.monotonic()
     records = integrity.read(path)
-    context = restoring.read_context()
     checks = []
-    for rec in sorted(records.values(), key=lambda r: r.path):
-      checks.append(check_leaf(path, rec, limit, context))
+    # Every leaf the checkpoint stores, from its own metadata.
+    for name, value_type in sorted(compat.stored_params(path)):
+      if value_type not in _STORED_TYPES:
+        continue
+      rec = records.get(name)
+      if rec is None:
+        checks.append(LeafCheck(name, name, UNCHECKED, 0, 'no checksum recorded'))
+      else:
+        checks.append(check_leaf(path, rec, ctx))
     seconds = time.monotonic() - start
   hostmem.release_free_memory()
   return VerifyReport(os.fspath(directory), tuple(checks), seconds, peak.extra_bytes)

@@ -1,0 +1,198 @@
+"""kd_ckpt's `jax.Array` type handlers: what both save strategies share, and the bounded read.
+
+Orbax's PyTree handler hands each type handler the leaves of its type.  kd_ckpt
+plugs in a subclass of Orbax's `ArrayHandler` per save (`handler.py` builds it
+from the plan; nothing on it changes afterwards):
+
+  * `streaming.StreamingArrayHandler` writes slice by slice inside the
+    host limiter;
+  * `orbax_writer.OrbaxArrayHandler` writes exactly as stock Orbax does, and
+    checksums Orbax's host copies on the way.
+
+Both store typed PRNG keys as Orbax does (key data plus the key impl in the
+array metadata), hand leaves that did not change since the previous save to
+`reuse`, and restore through `reading` (bounded), so a handler built for a
+save also restores.
+
+Example:
+
+  handler = StreamingArrayHandler(save=SaveContext.for_budget(256 << 20))
+  registry = handler_lib.registry(handler)   # Orbax's defaults + this one
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Any, Sequence
+
+from absl import logging
+import jax
+import orbax.checkpoint as ocp
+
+from kd_ckpt import compat
+from kd_ckpt import cost
+from kd_ckpt import integrity
+from kd_ckpt import limiter as limiter_lib
+from kd_ckpt import reading
+from kd_ckpt import text
+from kd_ckpt import tree as tree_lib
+
+
+@dataclasses.dataclass
+class SaveStats:
+  """Counters of one save, shared by its handlers (the report reads them)."""
+
+  bytes_written: int = 0
+  slices_written: int = 0
+  bytes_reused: int = 0
+  leaves_reused: int = 0
+  handler_ran: bool = False
+  start_secs: float = dataclasses.field(default_factory=time.monotonic)
+  lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+
+  def add(self, nbytes: int, nslices: int = 1) -> None:
+    with self.lock:
+      self.bytes_written += nbytes
+      self.slices_written += nslices
+
+  def add_reused(self, nbytes: int, nleaves: int = 1) -> None:
+    with self.lock:
+      self.bytes_reused += nbytes
+      self.leaves_reused += nleaves
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveContext:
+  """What one save's array handler needs: a value built per save, never mutated.
+
+  Attributes:
+    capacity_bytes: what the host limiter admits during this save.
+    slice_bytes: streaming slice (and zarr chunk) size.
+    group_bytes: staged bytes per OCDBT transaction (streaming).
+    checksums: the CRC32C collector of this save (None: no checksums).
+    stats: counters the report reads.
+    reuse: the previous checkpoint to reuse unchanged leaves from, or None.
+    progress_total_bytes: bytes to write, for the progress lines (0: silent).
+    limiter: the process's host limiter.
+  """
+
+  capacity_bytes: int
+  slice_bytes: int
+  group_bytes: int
+  checksums: integrity.Checksums | None = None
+  stats: SaveStats = dataclasses.field(default_factory=SaveStats)
+  reuse: Any = None  # reuse.Source
+  progress_total_bytes: int = 0
+  limiter: limiter_lib.HostLimiter = dataclasses.field(
+      default_factory=limiter_lib.process_limiter)
+
+  @classmethod
+  def for_budget(cls, budget_bytes: int, **kwargs) -> 'SaveContext':
+    layout = cost.streaming_layout(budget_bytes)
+    return cls(capacity_bytes=layout.capacity_bytes, slice_bytes=layout.slice_bytes,
+               group_bytes=layout.group_bytes, **kwargs)
+
+
+def read_context_for(capacity_bytes: int) -> reading.ReadContext:
+  return reading.ReadContext(limiter_lib.process_limiter(), capacity_bytes,
+                             cost.restore_piece_bytes(capacity_bytes))
+
+
+# Restores through a handler that was not given a budget (e.g. Orbax's own
+# tests plugging kd_ckpt in) use this one.
+DEFAULT_BUDGET_BYTES = 256 << 20
+
+
+class KdArrayHandler(ocp.type_handlers.ArrayHandler):
+  """Orbax's ArrayHandler with kd_ckpt's shared save prelude and bounded read."""
+
+  def __init__(self, *, save: SaveContext | None = None,
+               read: reading.ReadContext | None = None,
+               use_replica_parallel: bool = True, **kwargs):
+    kwargs.setdefault('array_metadata_store', compat.orbax.array_metadata_store())
+    super().__init__(use_replica_parallel=use_replica_parallel, **kwargs)
+    self._save_ctx = save or SaveContext.for_budget(DEFAULT_BUDGET_BYTES)
+    self._read_ctx = read or read_context_for(
+        cost.limiter_capacity(DEFAULT_BUDGET_BYTES))
+
+  @property
+  def save_context(self) -> SaveContext:
+    return self._save_ctx
+
+  def stored_values(self, values: Sequence[jax.Array], infos) -> tuple[list[jax.Array], dict]:
+    """The arrays as stored: typed PRNG keys become their key data (as Orbax does)."""
+    arrays, ext = [], {}
+    for v, info in zip(values, infos):
+      if jax.process_count() > 1 and isinstance(v, jax.Array) and v.is_fully_addressable:
+        raise ValueError(
+            f'Leaf {info.name!r} is a host-local jax.Array in a multi-process'
+            ' save (e.g. from pmap); every process would write all of it.'
+            ' Make it a global array first (see orbax.checkpoint.utils.'
+            'fully_replicated_host_local_array_to_global_array).')
+      if tree_lib.is_prng_key(v):
+        ext[info.name] = {compat.orbax.random_key_impl: str(jax.random.key_impl(v))}
+        v = jax.random.key_data(v)
+      arrays.append(v)
+    return arrays, ext
+
+  async def split_reused(self, arrays, infos, args):
+    """(indices to write, reuse coroutine or None): unchanged leaves are not written."""
+    ctx = self._save_ctx
+    if ctx.reuse is None:
+      return list(range(len(arrays))), None
+    return await ctx.reuse.split(self, arrays, infos, args)
+
+  def note_written(self) -> None:
+    self._save_ctx.stats.handler_ran = True
+
+  async def deserialize(self, infos, args=None):
+    return await reading.read_arrays(self, infos, args, self._read_ctx)
+
+
+class KdNumpyHandler(ocp.type_handlers.NumpyHandler):
+  """Orbax's NumpyHandler whose restore fills the result in bounded pieces.
+
+  Saves are Orbax's (the value is already host memory); the deep copy Orbax
+  makes against concurrent modification is kept only for async saves.
+  """
+
+  def __init__(self, *, read: reading.ReadContext | None = None,
+               deepcopy_host_arrays: bool = True, **kwargs):
+    super().__init__(deepcopy_host_arrays=deepcopy_host_arrays, **kwargs)
+    self._read_ctx = read or read_context_for(
+        cost.limiter_capacity(DEFAULT_BUDGET_BYTES))
+
+  async def deserialize(self, infos, args=None):
+    return await reading.read_numpy(self, infos, args, self._read_ctx)
+
+
+class Progress:
+  """A bounded progress display: at most ~8 INFO lines per save, process 0.
+
+  Silent for saves shorter than `after_secs`.
+  """
+
+  def __init__(self, total_bytes: int, *, after_secs: float = 3.0, max_lines: int = 8):
+    self.total_bytes = max(1, total_bytes)
+    self.after_secs = after_secs
+    self.max_lines = max_lines
+    self.lines = 0
+    self.next_fraction = 0.0
+    self.start = time.monotonic()
+    self.enabled = jax.process_index() == 0
+
+  def update(self, done_bytes: int) -> None:
+    if not self.enabled or self.lines >= self.max_lines:
+      return
+    elapsed = time.monotonic() - self.start
+    frac = done_bytes / self.total_bytes
+    if elapsed < self.after_secs or frac < self.next_fraction:
+      return
+    if self.lines == 0:
+      logging.info('kd_ckpt streaming save: %s to write', text.format_bytes(self.total_bytes))
+    self.lines += 1
+    self.next_fraction = frac + 1.0 / self.max_lines
+    logging.info('kd_ckpt streaming save: %5.1f%% %s, %.2f GB/s', 100 * frac,
+                 text.format_bytes(done_bytes), done_bytes / 1e9 / max(elapsed, 1e-9))

@@ -1,0 +1,200 @@
+"""Every prediction kd_ckpt makes, and the measured constants behind it.
+
+Two kinds of numbers live here:
+
+* What the limiter charges (`limiter`): the bytes a host buffer costs while
+  it lives, including what TensorStore allocates for it.  These bound the
+  streaming save and every restore; they are enforced, not predicted.
+* What the plan predicts, to rank strategies and to decide whether a path
+  that cannot be enforced (Orbax's own async save) fits: its worst case.
+
+Every constant says where it was measured; `bench/calibrate.py` re-measures
+them (`make calibrate`, 2 cores, 24 GiB, CPU backend, tensorstore 0.1.86).
+
+Example:
+
+  cap = cost.limiter_capacity(256 << 20)        # bytes buffers may hold
+  piece = cost.restore_piece_bytes(cap)
+  layout = cost.streaming_layout(256 << 20)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from kd_ckpt import estimate as estimate_lib
+
+KiB, MiB = 1 << 10, 1 << 20
+
+# --- The fixed floor ----------------------------------------------------------
+# What a bounded save or restore costs beyond its buffers, whatever the state:
+# TensorStore's thread pools and their glibc arenas, the OCDBT manifest and
+# node cache, jit-compiled slice updates, Python objects.  The limiter's
+# capacity is the budget less this.  Measured (bench/calibrate.py, smallest
+# slices, 1-1000 leaves): 9-17 MiB; kept at 24 MiB for hosts whose allocator
+# or thread count make it larger.
+FLOOR_BYTES = 24 * MiB
+
+# --- Streaming save -------------------------------------------------------------
+# A staged slice costs its host buffer, which TensorStore references rather
+# than copies (raw chunks), plus OCDBT's data-file buffer while its group
+# commits.  Measured: 1.0-1.1 per staged byte; charged 1.5.
+STAGED_FACTOR = 1.5
+# Per leaf whose TensorStore is open while its slices are written (spec,
+# driver state, metadata cache entry).  Measured ~20 KiB; charged 64 KiB.
+PER_LEAF_BYTES = 64 * KiB
+# Leaves opened together (their metadata commits share one OCDBT commit).
+OPEN_BATCH_LEAVES = 256
+MIN_SLICE_BYTES = 1 * MiB
+# Bigger slices stop paying off: 64 MiB writes already saturate a local disk
+# and keep per-write overhead under 1%.
+MAX_SLICE_BYTES = 64 * MiB
+# Each OCDBT commit costs ~0.1 s here whatever its size: aim for groups of
+# several slices, one filling while one commits.
+TARGET_SLICES_PER_GROUP = 2
+# Orbax's 100 MB B-tree node cache is for reads; a streaming save reads
+# nothing back (measured +60 MiB over a 1 GB save with the default).
+WRITE_NODE_CACHE_BYTES = 8 * 10**6
+
+# --- Restore --------------------------------------------------------------------
+READ_NODE_CACHE_BYTES = 8 * 10**6
+# Streaming zstd decompression (chunkread) keeps a window of compressed input
+# and zstd's own frame buffers (<= 8 MiB window at level 1-3) beside its
+# output pieces.
+ZSTD_STATE_BYTES = 10 * MiB
+
+# --- Orbax's own save (cannot be enforced: chosen only if its worst case fits)
+# TensorStore and OCDBT contexts, thread stacks and arenas, metadata: 4-16 MiB
+# measured for states of 0.1-13 MiB.
+ORBAX_FLOOR_BYTES = 16 * MiB
+# Raw chunks: TensorStore references the host copy (0.01 GiB measured for a
+# 1 GiB array).
+ORBAX_RAW_ENCODE_FACTOR = 0.02
+
+
+def limiter_capacity(budget_bytes: int) -> int:
+  """What the limiter admits under `budget_bytes` (the budget less the floor)."""
+  return int(budget_bytes) - FLOOR_BYTES
+
+
+def min_budget_bytes() -> int:
+  """The smallest budget a bounded save or restore can honour."""
+  return FLOOR_BYTES + 4 * int(MIN_SLICE_BYTES * STAGED_FACTOR)
+
+
+# --- what the limiter charges ---------------------------------------------------
+
+def staged_charge(nbytes: int) -> int:
+  return int(math.ceil(nbytes * STAGED_FACTOR))
+
+
+def read_charge(piece_bytes: int, chunk_bytes: int) -> int:
+  """A TensorStore read of whole stored chunks of `chunk_bytes` (<= a piece):
+  the output piece, plus one chunk's compressed and decoded bytes in flight."""
+  return int(piece_bytes + 2 * min(chunk_bytes, piece_bytes))
+
+
+def chunkread_charge(piece_bytes: int) -> int:
+  """`chunkread` reading a chunk bigger than a piece: <= 2 pieces + zstd state."""
+  return int(2 * piece_bytes + ZSTD_STATE_BYTES)
+
+
+def place_charge(piece_bytes: int) -> int:
+  """Placing a piece on a device: a cast copy and the device (or staging) copy."""
+  return int(2 * piece_bytes)
+
+
+def restore_piece_bytes(capacity_bytes: int) -> int:
+  """The largest piece whose reads and placement fit the capacity together."""
+  by_ts = capacity_bytes // 5                     # read_charge + place_charge
+  by_chunkread = (capacity_bytes - ZSTD_STATE_BYTES) // 4
+  piece = min(by_ts, by_chunkread, MAX_SLICE_BYTES)
+  return int(max(64 * KiB, piece // KiB * KiB))
+
+
+# --- streaming layout -----------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class StreamingLayout:
+  """How the streaming writer spends a budget.
+
+  Attributes:
+    capacity_bytes: what the limiter admits (budget less the floor).
+    slice_bytes: the largest slice (and zarr chunk) written.
+    group_bytes: staged bytes per OCDBT transaction; one group fills while
+      the previous one commits.
+  """
+
+  capacity_bytes: int
+  slice_bytes: int
+  group_bytes: int
+
+  @property
+  def feasible(self) -> bool:
+    return self.slice_bytes >= MIN_SLICE_BYTES and staged_charge(
+        2 * self.slice_bytes) <= self.capacity_bytes // 2 + 1
+
+
+def streaming_layout(budget_bytes: int) -> StreamingLayout:
+  """Slices sized so two groups of `TARGET_SLICES_PER_GROUP` fit the capacity.
+
+  The leaf metadata of one open batch is charged too (at most an eighth of
+  the capacity, so several items of one save can share the limiter).
+  """
+  cap = limiter_capacity(budget_bytes)
+  usable = cap - min(cap // 8, OPEN_BATCH_LEAVES * PER_LEAF_BYTES)
+  group = usable / (2 * STAGED_FACTOR)
+  slice_bytes = int(min(MAX_SLICE_BYTES, group / TARGET_SLICES_PER_GROUP)) // MiB * MiB
+  if slice_bytes < MIN_SLICE_BYTES:
+    slice_bytes = int(group / TARGET_SLICES_PER_GROUP) // KiB * KiB
+  return StreamingLayout(capacity_bytes=max(0, cap), slice_bytes=max(0, slice_bytes),
+                         group_bytes=max(0, int(group)))
+
+
+def predict_streaming(est: estimate_lib.TreeEstimate, layout: StreamingLayout) -> int:
+  """Floor plus what is admitted at once; never more than the data needs."""
+  per_leaf = min(est.num_leaves, OPEN_BATCH_LEAVES) * PER_LEAF_BYTES
+  data = staged_charge(est.total_bytes(True))
+  return FLOOR_BYTES + min(layout.capacity_bytes, data + per_leaf)
+
+
+# --- Orbax's async save ---------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class OrbaxCost:
+  """The worst case of one Orbax async save, by component (bytes)."""
+
+  host_copy_bytes: int
+  pinned_staging_bytes: int
+  encode_bytes: int
+  floor_bytes: int = ORBAX_FLOOR_BYTES
+
+  @property
+  def peak_bytes(self) -> int:
+    return (self.host_copy_bytes + self.pinned_staging_bytes + self.encode_bytes
+            + self.floor_bytes)
+
+
+def predict_orbax_async(
+    est: estimate_lib.TreeEstimate, *, use_replica_parallel: bool,
+    enable_pinned_host_transfer: bool) -> OrbaxCost:
+  """Worst case of Orbax's async raw save: every host copy lives until the commit.
+
+  Orbax copies every array to the host before `save()` returns and keeps the
+  copies until the background commit ends.  On the CPU backend the copy is
+  zero-copy except for replica-parallel slices (`lax.slice_in_dim` makes new
+  buffers); numpy leaves are deep-copied.  Raw chunks: TensorStore writes
+  from those copies.
+  """
+  on_cpu = est.platform == 'cpu'
+  copies = 0
+  for leaf in est.leaves:
+    w = leaf.host_bytes(use_replica_parallel)
+    if not leaf.is_array:
+      copies += w  # NumpyHandler deep-copies host values for async saves.
+    elif not on_cpu or (use_replica_parallel and leaf.replica_parallel_applies):
+      copies += w
+  pinned = copies if enable_pinned_host_transfer and not on_cpu else 0
+  encode = int(est.total_bytes(use_replica_parallel) * ORBAX_RAW_ENCODE_FACTOR)
+  return OrbaxCost(host_copy_bytes=copies, pinned_staging_bytes=pinned, encode_bytes=encode)

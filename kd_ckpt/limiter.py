@@ -1,0 +1,183 @@
+"""The host-byte limiter: every host buffer a bounded save or restore makes is admitted here first.
+
+A budget is a limit, not a forecast.  One `HostLimiter` per process holds the
+bytes the running operation may still allocate: the budget less the measured
+fixed floor (`cost.FLOOR_BYTES`).  Before the streaming writer copies a slice
+to the host, before the reader fetches a piece, before a stored chunk is
+decoded, the bytes it will allocate (and what TensorStore will allocate for
+it, `cost.*_FACTOR`) are acquired; they are released when the buffer is gone.
+Whatever the state's shapes, the admitted bytes never exceed the capacity:
+a caller that cannot get its bytes waits, and a request larger than the
+whole capacity is an error (the plan sizes slices so that never happens).
+
+All items of one save (Orbax saves a Kauldron step's items concurrently)
+share the one limiter, so they share the one budget.
+
+Example:
+
+  lim = limiter.process_limiter()
+  with lim.lease(capacity_bytes=200 << 20):
+    async with lim.hold(slice_bytes):       # waits until it fits
+      buf = copy_slice_to_host()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import threading
+from typing import AsyncIterator, Iterator
+
+from kd_ckpt import hostmem
+
+
+class RequestTooLargeError(ValueError):
+  """One buffer needs more than the limiter's whole capacity."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LimiterStats:
+  """What one lease saw: the most bytes admitted at once, and waits."""
+
+  capacity_bytes: int
+  peak_admitted_bytes: int
+  waits: int
+
+
+class HostLimiter:
+  """A byte semaphore shared by threads and asyncio tasks of one process."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._cond = threading.Condition(self._lock)
+    self._leases: list[int] = []
+    self._in_use = 0
+    self._peak = 0
+    self._waits = 0
+    self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+
+  @property
+  def capacity_bytes(self) -> int | None:
+    with self._lock:
+      return min(self._leases) if self._leases else None
+
+  @property
+  def in_use_bytes(self) -> int:
+    with self._lock:
+      return self._in_use
+
+  @contextlib.contextmanager
+  def lease(self, capacity_bytes: int) -> Iterator['HostLimiter']:
+    """Sets the capacity for the duration of an operation (nested: the smallest)."""
+    if capacity_bytes <= 0:
+      raise ValueError(f'capacity_bytes={capacity_bytes} must be positive.')
+    with self._lock:
+      self._leases.append(int(capacity_bytes))
+      if len(self._leases) == 1:
+        self._peak, self._waits = self._in_use, 0
+    try:
+      yield self
+    finally:
+      with self._lock:
+        self._leases.remove(int(capacity_bytes))
+      self._wake()
+
+  def stats(self) -> LimiterStats:
+    with self._lock:
+      cap = min(self._leases) if self._leases else 0
+      return LimiterStats(cap, self._peak, self._waits)
+
+  def _check(self, nbytes: int) -> None:
+    cap = min(self._leases) if self._leases else None
+    if cap is None:
+      raise RuntimeError('HostLimiter used outside a lease(): nothing bounds it.')
+    if nbytes > cap:
+      raise RequestTooLargeError(
+          f'A single host buffer of {hostmem.format_bytes(nbytes)} is more than'
+          f' the whole budget left for buffers ({hostmem.format_bytes(cap)}).'
+          ' Raise host_ram_budget, or save/restore with a smaller slice.')
+
+  def try_acquire(self, nbytes: int) -> bool:
+    """Takes `nbytes` if they fit now; never waits."""
+    nbytes = int(nbytes)
+    with self._lock:
+      self._check(nbytes)
+      if self._in_use + nbytes > min(self._leases):
+        return False
+      self._in_use += nbytes
+      self._peak = max(self._peak, self._in_use)
+      return True
+
+  def acquire(self, nbytes: int) -> None:
+    """Takes `nbytes`, blocking the calling thread until they fit."""
+    nbytes = int(nbytes)
+    with self._cond:
+      self._check(nbytes)
+      if self._in_use + nbytes > min(self._leases):
+        self._waits += 1
+      while self._in_use + nbytes > min(self._leases):
+        self._cond.wait()
+      self._in_use += nbytes
+      self._peak = max(self._peak, self._in_use)
+
+  async def acquire_async(self, nbytes: int) -> None:
+    """Takes `nbytes`, suspending the calling task until they fit."""
+    nbytes = int(nbytes)
+    loop = asyncio.get_running_loop()
+    counted = False
+    while True:
+      with self._lock:
+        self._check(nbytes)
+        if self._in_use + nbytes <= min(self._leases):
+          self._in_use += nbytes
+          self._peak = max(self._peak, self._in_use)
+          return
+        if not counted:
+          self._waits += 1
+          counted = True
+        fut = loop.create_future()
+        self._waiters.append((loop, fut))
+      await fut
+
+  def release(self, nbytes: int) -> None:
+    with self._lock:
+      self._in_use -= int(nbytes)
+      assert self._in_use >= 0, 'released more than acquired'
+    self._wake()
+
+  def _wake(self) -> None:
+    with self._cond:
+      waiters, self._waiters = self._waiters, []
+      self._cond.notify_all()
+    for loop, fut in waiters:
+      loop.call_soon_threadsafe(_resolve, fut)
+
+  @contextlib.asynccontextmanager
+  async def hold(self, nbytes: int) -> AsyncIterator[None]:
+    await self.acquire_async(nbytes)
+    try:
+      yield
+    finally:
+      self.release(nbytes)
+
+  @contextlib.contextmanager
+  def hold_sync(self, nbytes: int) -> Iterator[None]:
+    self.acquire(nbytes)
+    try:
+      yield
+    finally:
+      self.release(nbytes)
+
+
+def _resolve(fut: asyncio.Future) -> None:
+  if not fut.done():
+    fut.set_result(None)
+
+
+_PROCESS_LIMITER = HostLimiter()
+
+
+def process_limiter() -> HostLimiter:
+  """The limiter of this process (one per process, shared by every operation)."""
+  return _PROCESS_LIMITER

@@ -1,0 +1,208 @@
+"""One measured save: the sequence `kd_ckpt.save` and `SafeCheckpointer` both run.
+
+  plan  ->  disk checks  ->  trim, reset the peak  ->  Orbax save with
+  `SafeSave` args  ->  (async: background commit)  ->  after-save release
+  ->  `SaveReport`
+
+Nothing of it is written twice: `api.save` drives a `MeasuredSave` around a
+synchronous `ocp.Checkpointer`, `SafeCheckpointer` around Kauldron's
+`CheckpointManager` save.  The report covers the whole save: for an async
+save the peak and the seconds are read when the background commit of every
+item is durable (the handler calls `on_commit`), not when `save()` returns.
+
+Example:
+
+  s = MeasuredSave(path, {'default': tree}, host_ram_budget='1GiB')
+  with s.running():
+    ocp.Checkpointer(SafePyTreeHandler()).save(path, args=s.save_args('default'))
+  report = s.complete()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from typing import Any, Iterator
+
+from absl import logging
+from etils import epath
+import jax
+
+from kd_ckpt import arrays as arrays_lib
+from kd_ckpt import budget as budget_lib
+from kd_ckpt import disk
+from kd_ckpt import handler as handler_lib
+from kd_ckpt import hostmem
+from kd_ckpt import integrity
+from kd_ckpt import plan as plan_lib
+from kd_ckpt import report as report_lib
+from kd_ckpt import reuse as reuse_lib
+
+
+class HandlerDidNotRunError(RuntimeError):
+  """Orbax saved an item with another handler than kd_ckpt's: nothing was bounded."""
+
+
+class MeasuredSave:
+  """One save of one or more items (Kauldron saves several per step).
+
+  Attributes:
+    directory: the checkpoint (kd_ckpt.save) or step (Kauldron) directory.
+    plan: one plan for all items: they share one budget and one limiter.
+    report: the SaveReport, once `complete()` ran.
+  """
+
+  def __init__(self, directory, items: dict[str, Any], *,
+               host_ram_budget: budget_lib.BudgetLike = 'auto',
+               strategy: str = 'auto',
+               item_dirs: dict[str, Any] | None = None,
+               reuse_from: dict[str, Any] | None = None,
+               label: str = ''):
+    self.directory = epath.Path(directory)
+    self.items = dict(items)
+    self.item_dirs = {k: epath.Path(v) for k, v in (item_dirs or {}).items()}
+    self.label = label or os.fspath(directory)
+    tree = self.items if len(self.items) > 1 else next(iter(self.items.values()))
+    self.plan = plan_lib.plan_save(tree, host_ram_budget=host_ram_budget, strategy=strategy)
+    self.stats = arrays_lib.SaveStats()
+    self._contexts = {}
+    for name in self.items:
+      source = None
+      if reuse_from and reuse_from.get(name) is not None:
+        source = reuse_lib.Source.open(reuse_from[name], label=f'{self.label}/{name}')
+      self._contexts[name] = handler_lib.context_for(
+          self.plan, checksums=integrity.Checksums(), stats=self.stats, reuse=source,
+          progress_total_bytes=self.plan.total_bytes)
+    self._peak = hostmem.PeakRss()
+    self._lock = threading.Lock()
+    self._pending = set(self.items)
+    self._start = 0.0
+    self._end = None
+    self.report: report_lib.SaveReport | None = None
+    self.async_commit = False
+
+  # --- before -----------------------------------------------------------------
+
+  def check_disk(self) -> None:
+    """Before anything is written: a writable place, room for raw chunks, no leftovers."""
+    if _is_remote(self.directory):
+      return  # Orbax's own handling; local-only checks do not apply.
+    disk.check_writable(self.directory)
+    # Chunks are raw (uncompressed): the bytes to write are known exactly.
+    disk.check_free_space(self.directory, self.plan.total_bytes)
+    if jax.process_index() == 0:
+      # A save of this same directory that was killed: never a checkpoint.
+      for stale in disk.remove_unfinished(self.directory):
+        logging.warning('kd_ckpt: removed %s, left by an unfinished save.', stale)
+
+  def save_args(self, name: str, item: Any = None, save_args: Any = None,
+                custom_metadata: Any = None) -> handler_lib.SafeSave:
+    """The `SafeSave` args of item `name`: its tree plus this save's inputs."""
+    return handler_lib.SafeSave(
+        item=self.items[name] if item is None else item, save_args=save_args,
+        custom_metadata=custom_metadata, plan=self.plan, context=self._contexts[name],
+        on_commit=lambda: self._committed(name))
+
+  # --- during -----------------------------------------------------------------
+
+  @contextlib.contextmanager
+  def running(self, *, async_commit: bool = False) -> Iterator['MeasuredSave']:
+    """Around the Orbax save call; maps a full disk and cleans up on failure."""
+    self.async_commit = async_commit
+    # Start from a trimmed heap, so the peak counts what this save adds rather
+    # than hiding in slack left by earlier work.
+    hostmem.release_free_memory()
+    self._peak.__enter__()
+    self._start = time.monotonic()
+    try:
+      with jax.transfer_guard('allow'):
+        yield self
+    except BaseException as e:
+      self.fail(e)
+      raise
+
+  def _committed(self, name: str) -> None:
+    # Called from Orbax's commit thread once an item's writes are durable.
+    with self._lock:
+      self._pending.discard(name)
+      done = not self._pending
+    if done:
+      self._peak.sample()
+      self._end = time.monotonic()
+
+  def fail(self, e: BaseException) -> None:
+    """Removes the unfinished save; a full disk becomes `DiskFullError`."""
+    if jax.process_index() == 0 and not _is_remote(self.directory):
+      disk.remove_unfinished(self.directory)
+    if disk.is_disk_full(e) and not isinstance(e, disk.DiskFullError):
+      raise disk.DiskFullError.during_save(self.directory, self.plan.total_bytes) from e
+
+  # --- after ------------------------------------------------------------------
+
+  def complete(self) -> report_lib.SaveReport:
+    """Ends the measurement (the save and its commit are done) and reports."""
+    if self.report is not None:
+      return self.report
+    if not self.stats.handler_ran and self.plan.total_bytes and any(
+        l.is_array for l in self.plan.estimate.leaves):
+      raise HandlerDidNotRunError(
+          f'kd_ckpt: {self.label} was saved, but not by kd_ckpt\'s handler: Orbax'
+          ' used another handler for its items (e.g. a CheckpointManager built'
+          ' with stock item_handlers before kd_ckpt saw it), so nothing of this'
+          ' save was bounded. Create the manager with'
+          ' kd_ckpt.handler.SafePyTreeHandler (SafeCheckpointer does).')
+    self._peak.__exit__(None, None, None)
+    end = self._end if self._end is not None else time.monotonic()
+    for tree in self.items.values():
+      after_save(tree)
+    stats = self.stats
+    self.report = report_lib.SaveReport(
+        directory=os.fspath(self.directory), strategy=self.plan.strategy,
+        settings=self.plan.settings_text(), budget_bytes=self.plan.budget_bytes,
+        predicted_peak_bytes=self.plan.predicted_peak_bytes,
+        peak_extra_bytes=self._peak.extra_bytes, retained_bytes=self._peak.retained_bytes,
+        bytes_written=max(0, self.plan.total_bytes - stats.bytes_reused),
+        bytes_reused=stats.bytes_reused, leaves_reused=stats.leaves_reused,
+        seconds=max(0.0, end - self._start), async_commit=self.async_commit,
+        exact_peak=self._peak.exact)
+    logging.info('kd_ckpt saved %s: %s', self.label, self.report.summary())
+    return self.report
+
+  def write_report(self, directory=None) -> None:
+    """The report beside the checkpoint (process 0), for `kd_ckpt inspect`."""
+    d = epath.Path(directory or self.directory)
+    if self.report is not None and jax.process_index() == 0 and d.exists():
+      self.report.write_json(d / report_lib.REPORT_FILE_NAME)
+
+
+def after_save(tree: Any) -> None:
+  """What every save ends with, so RSS does not ratchet from save to save.
+
+  Drops the host copies JAX cached on the live arrays (Orbax's
+  `np.asarray(shard.data)` stores one on every shard, which would otherwise
+  live as long as the training state; jaxlib 0.12 refuses, then the copy
+  goes with the array), then returns freed heap to the OS.
+  """
+  refused = False
+  for leaf in jax.tree_util.tree_leaves(tree):
+    if refused or not isinstance(leaf, jax.Array):
+      continue
+    for arr in [leaf, *(getattr(leaf, '_arrays', None) or [])]:
+      if getattr(arr, '_npy_value', None) is not None and not _drop(arr):
+        refused = True
+        logging.log_first_n(
+            logging.WARNING, 'kd_ckpt: cannot drop the host copy JAX cached on a'
+            ' live array; it is freed with the array (the next train step).', 1)
+        break
+  hostmem.release_free_memory()
+
+
+def _drop(arr) -> bool:
+  from kd_ckpt import compat  # pylint: disable=g-import-not-at-top
+  return compat.drop_host_cache(arr)
+
+
+def _is_remote(path: epath.Path) -> bool:
+  return os.fspath(path).startswith(('gs://', 's3://'))
