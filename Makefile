@@ -8,6 +8,8 @@
 #                      (PLAN_ARGS='--host-ram-budget=16GiB --json' to change)
 #   make bench         bench/run.py: 128 MiB grid + 512 MiB soaks (8 min on 2 busy cores)
 #   make bench-full    bench/run.py --full: 512 MiB grid, soaks one at a time (~20 min)
+#   make test-orbax-peer ORBAX_SRC=DIR   Orbax's own handler test suites, with
+#                      stock Orbax and with kd_ckpt plugged in (each strategy)
 #   make constraints   re-pin constraints.txt from the current .venv
 #
 # The first target run creates .venv with a Python >= 3.12 found by
@@ -29,7 +31,7 @@ DEMO_DEVICES ?= 8
 DEMO_CFG := configs/gemma_lora.py
 PLAN_ARGS ?=
 
-.PHONY: test test-fast demo bench bench-full plan constraints venv clean
+.PHONY: test test-fast test-orbax-peer demo bench bench-full plan constraints venv clean
 
 venv: $(STAMP)
 
@@ -47,6 +49,28 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not integration" tests
+
+# Orbax's own handler test suites (standard_/pytree_checkpoint_handler_test.py)
+# with stock Orbax, then with kd_ckpt's streaming and orbax strategies plugged
+# in (tools/orbax_peer.py); fails listing every test that passes with stock
+# Orbax but not with kd_ckpt.  Nothing is fetched or vendored: ORBAX_SRC is a
+# google/orbax checkout, or what tools/fetch_orbax_tests.sh extracts of one.
+# ~2 min per mode on 2 cores; per-test outcomes in build/orbax_peer.*.json.
+ORBAX_SRC ?=
+ORBAX_PEER_ARGS ?=
+
+test-orbax-peer: $(STAMP)
+	@if [[ -z "$(ORBAX_SRC)" ]]; then \
+	  echo "error: set ORBAX_SRC to a google/orbax checkout; to extract the" \
+	    "files needed from a git copy of google/orbax:" >&2; \
+	  echo "  tools/fetch_orbax_tests.sh /tmp/orbax_src &&" \
+	    "make test-orbax-peer ORBAX_SRC=/tmp/orbax_src" >&2; \
+	  exit 2; \
+	fi
+	@mkdir -p build
+	$(PY) tools/orbax_peer.py --orbax-src="$(ORBAX_SRC)" --mode=all \
+	  --json=build/orbax_peer.json --log-dir=build/orbax_peer_logs \
+	  $(ORBAX_PEER_ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/run.py

@@ -52,6 +52,9 @@ class SaveStats:
   start_secs: float = dataclasses.field(default_factory=time.monotonic)
   lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
+  def __deepcopy__(self, memo) -> 'SaveStats':
+    return self  # Shared by a save's handlers (Orbax deep-copies registries).
+
   def add(self, nbytes: int, nslices: int = 1) -> None:
     with self.lock:
       self.bytes_written += nbytes

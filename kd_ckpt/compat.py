@@ -76,7 +76,20 @@ def _need(package: str, module: str, name: str,
         if missing:
           raise IncompatibleVersionError(_message(
               package, module, name, params, f'it has no parameter(s) {missing}'))
+    if '.' not in name and not isinstance(obj, type):
+      return _late_bound(importlib.import_module(module), name, obj)
   return obj
+
+
+def _late_bound(module: types.ModuleType, name: str, obj: Callable[..., Any]):
+  """Calls `module.name` as it is at call time (so patches of it, e.g. in
+  Orbax's own tests, apply to kd_ckpt too), with `obj`'s signature checked."""
+
+  @functools.wraps(obj)
+  def call(*args, **kwargs):
+    return getattr(module, name)(*args, **kwargs)
+
+  return call
 
 
 def _message(package, module, name, params, why) -> str:
@@ -131,6 +144,11 @@ def _orbax() -> types.SimpleNamespace:
       build_kvstore_tspec=n(f'{ser}.tensorstore_utils', 'build_kvstore_tspec',
                             ('directory', 'name', 'use_ocdbt')),
       process_subdir=n(f'{ser}.ocdbt_utils', 'get_process_index_for_subdir', ('use_ocdbt',)),
+      assert_parameter_files_exist=n(f'{ser}.tensorstore_utils', 'assert_parameter_files_exist',
+                                     ('param_dir', 'metadata_key')),
+      # `save/restore_concurrent_gb`: the byte limiters Orbax hands its type
+      # handlers (ParamInfo.byte_limiter), honoured by kd_ckpt's too.
+      unlimited_bytes=n(f'{ser}.limits', 'UnlimitedInFlightBytes', kind='value'),
       default_type_handlers=n(f'{ser}.type_handler_registry', '_DEFAULT_TYPE_HANDLERS',
                               kind='value'),
       construct_restore_args=n(
@@ -166,6 +184,10 @@ def default_type_handler_pairs() -> list[tuple[Any, Any]]:
         'orbax-checkpoint', f'{_O}.serialization.type_handler_registry',
         '_DEFAULT_TYPE_HANDLERS', (), 'it is no longer a tuple of (type, handler) pairs'))
   return pairs
+
+
+def is_unlimited(byte_limiter) -> bool:
+  return isinstance(byte_limiter, orbax.unlimited_bytes)
 
 
 def async_replica_slice_writer(
@@ -233,6 +255,20 @@ def distributed_client() -> Any:
             'jax', 'jax._src.distributed', f'global_state.client.{method}', (),
             'the distributed client has no such method'))
   return client
+
+
+def format_layout(fmt: Any) -> Any:
+  """The device-local layout of a `jax` Format (renamed across JAX versions)."""
+  for name in ('layout', 'device_local_layout'):
+    if hasattr(fmt, name):
+      return getattr(fmt, name)
+  raise IncompatibleVersionError(_message(
+      'jax', 'jax.experimental.layout', 'Format.layout', (), 'Format has no layout'))
+
+
+def make_format(layout: Any, sharding: Any) -> Any:
+  fmt = _need('jax', 'jax.experimental.layout', 'Format')
+  return fmt(layout, sharding)
 
 
 def drop_host_cache(arr: Any) -> bool:

@@ -49,6 +49,7 @@ from kd_ckpt import tree as tree_lib
 # what every Orbax reader expects by default.
 USE_OCDBT = True
 USE_ZARR3 = False
+_STOCK_HANDLER = ocp.StandardCheckpointHandler
 _HOST_TYPES = (np.ndarray, np.number, int, float)
 
 
@@ -64,19 +65,30 @@ def registry(array_handler, numpy_handler) -> Any:
   return ocp.type_handlers.create_type_handler_registry(*pairs)
 
 
-def _check_leaves(item: Any, *, restore: bool) -> None:
-  """The leaf types StandardCheckpointHandler accepts, with the leaf named."""
-  ok = _HOST_TYPES + (jax.Array,) + ((jax.ShapeDtypeStruct,) if restore else ())
-  for leaf in tree_lib.leaves(item):
-    x = leaf.value
-    if not isinstance(x, ok) and not (not restore and hasattr(x, '__array__')):
+def _standard_leaves(item: Any, *, restore: bool) -> Any:
+  """`item` as StandardCheckpointHandler takes it; raises naming a bad leaf.
+
+  As Orbax does: array-likes (numpy scalars included) are saved as numpy
+  arrays; a restore target takes only the standard types and
+  `jax.ShapeDtypeStruct`.
+  """
+  ok = ocp.checkpoint_utils.STANDARD_ARRAY_TYPES + (
+      (jax.ShapeDtypeStruct,) if restore else ())
+
+  def check(path, x):
+    if not restore and not isinstance(x, (np.ndarray, jax.Array)) and hasattr(x, '__array__'):
+      x = np.asarray(x)
+    if not isinstance(x, ok):
       what = 'restore target' if restore else 'save'
       raise ValueError(
-          f'Leaf {leaf.name!r} of the {what} is a {type(x).__name__}, which'
-          ' StandardCheckpointHandler cannot store. Leaves must be jax.Array,'
-          ' numpy arrays or Python/numpy scalars'
-          + (' (or jax.ShapeDtypeStruct in a target)' if restore else '')
+          f'Unsupported type: {type(x)} for leaf {tree_lib.name_of(path)!r} of the'
+          f' {what}: StandardCheckpointHandler stores jax.Array, numpy arrays and'
+          ' Python int/float'
+          + (' (and takes jax.ShapeDtypeStruct in a target)' if restore else '')
           + '; convert it, or keep it out of the checkpointed tree.')
+    return x
+
+  return jax.tree_util.tree_map_with_path(check, item)
 
 
 class _StockTypestr:
@@ -93,7 +105,7 @@ class _StockTypestr:
   def __get__(self, obj, cls):
     if obj is None:
       return lambda: f'{cls.__module__}.{cls.__qualname__}'
-    return ocp.StandardCheckpointHandler.typestr
+    return _STOCK_HANDLER.typestr
 
 
 class SafePyTreeHandler(ocp.StandardCheckpointHandler):
@@ -109,18 +121,26 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
   def __init__(self, *, host_ram_budget: budget_lib.BudgetLike = 'auto',
                strategy: str = 'auto',
                multiprocessing_options: ocp.options.MultiprocessingOptions = (
-                   ocp.options.MultiprocessingOptions())):
-    super().__init__(multiprocessing_options=multiprocessing_options)
+                   ocp.options.MultiprocessingOptions()),
+               pytree_metadata_options=None, use_ocdbt: bool = USE_OCDBT):
+    kwargs = {}
+    if pytree_metadata_options is not None:
+      kwargs['pytree_metadata_options'] = pytree_metadata_options
+    super().__init__(multiprocessing_options=multiprocessing_options,
+                     use_ocdbt=use_ocdbt, **kwargs)
     self._budget = budget_lib.parse(host_ram_budget)
     self._strategy = plan_lib.check_strategy(strategy)
     self._mp = multiprocessing_options
+    self._use_ocdbt = use_ocdbt
+    self._tree_kwargs = kwargs
 
   typestr = _StockTypestr()
 
   def _pytree_handler(self, array_handler, numpy_handler, **kwargs) -> ocp.PyTreeCheckpointHandler:
     return ocp.PyTreeCheckpointHandler(
-        use_ocdbt=USE_OCDBT, use_zarr3=USE_ZARR3, multiprocessing_options=self._mp,
-        type_handler_registry=registry(array_handler, numpy_handler), **kwargs)
+        use_ocdbt=self._use_ocdbt, use_zarr3=USE_ZARR3, multiprocessing_options=self._mp,
+        type_handler_registry=registry(array_handler, numpy_handler),
+        **self._tree_kwargs, **kwargs)
 
   # --- save -------------------------------------------------------------------
 
@@ -132,10 +152,11 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
       raise ValueError('Must provide item to save.')
     if isinstance(args.item, (jax.Array, int, float, np.number)):
       raise ValueError('SafePyTreeHandler saves trees; wrap a single array in a dict.')
-    _check_leaves(args.item, restore=False)
-    plan = args.plan or plan_lib.plan_save(
-        args.item, host_ram_budget=self._budget, strategy=self._strategy)
-    ctx = args.context or context_for(plan)
+    item = _standard_leaves(args.item, restore=False)
+    # Plain StandardSave args (e.g. Orbax's own code) bring no plan: plan here.
+    plan = getattr(args, 'plan', None) or plan_lib.plan_save(
+        item, host_ram_budget=self._budget, strategy=self._strategy)
+    ctx = getattr(args, 'context', None) or context_for(plan)
     if plan.strategy == 'streaming':
       array_handler = streaming.StreamingArrayHandler(
           save=ctx, primary_host=self._mp.primary_host)
@@ -153,16 +174,16 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     sums = ctx.checksums
     if sums is not None and jax.process_index() == 0:
       # Orbax writes host values from process 0 only.
-      for leaf in tree_lib.leaves(args.item):
+      for leaf in tree_lib.leaves(item):
         if isinstance(leaf.value, _HOST_TYPES):
           sums.add_whole(leaf.name, leaf.value, path=leaf.name)
     try:
       futures = await impl.async_save(directory, args=ocp.args.PyTreeSave(
-          item=args.item, save_args=args.save_args, custom_metadata=args.custom_metadata))
+          item=item, save_args=args.save_args, custom_metadata=args.custom_metadata))
     except Exception as e:
       raise _disk_full_or(e, directory) from e
     target = directory.path if hasattr(directory, 'path') else directory
-    on_commit = args.on_commit
+    on_commit = getattr(args, 'on_commit', None)
 
     def finish():
       # Runs once every write of this item is durable, before Orbax's rename.
@@ -176,7 +197,7 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
   def finalize(self, directory: epath.Path) -> None:
     """Orbax's finalize (OCDBT merge), then checks every array is reachable."""
     finalizer = ocp.BasePyTreeCheckpointHandler(
-        use_ocdbt=USE_OCDBT, use_zarr3=USE_ZARR3, multiprocessing_options=self._mp,
+        use_ocdbt=self._use_ocdbt, use_zarr3=USE_ZARR3, multiprocessing_options=self._mp,
         # Orbax's validation re-opens every key through a 100 MB node cache
         # (+40 MiB at the end of a 1 GB save); `check_arrays_present` lists
         # the keys instead.
@@ -184,7 +205,7 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
         type_handler_registry=registry(arrays_lib.KdArrayHandler(),
                                        arrays_lib.KdNumpyHandler()))
     finalizer.finalize(directory)
-    if ocp.multihost.is_primary_host(self._mp.primary_host):
+    if self._use_ocdbt and ocp.multihost.is_primary_host(self._mp.primary_host):
       reuse_lib.prune(directory)
       check_arrays_present(directory)
 
@@ -197,8 +218,8 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     if args is None:
       args = SafeRestore(item=item)
     if args.item is not None:
-      _check_leaves(args.item, restore=True)
-    budget_spec = budget_lib.parse(args.host_ram_budget or self._budget)
+      _standard_leaves(args.item, restore=True)
+    budget_spec = budget_lib.parse(getattr(args, 'host_ram_budget', None) or self._budget)
     budget_bytes = budget_lib.resolve(budget_spec, hostmem.probe())
     capacity = cost.limiter_capacity(budget_bytes)
     if capacity <= 0:

@@ -88,6 +88,9 @@ class Checksums:
     self._lock = threading.Lock()
     self.leaves: dict[str, LeafRecord] = {}
 
+  def __deepcopy__(self, memo) -> 'Checksums':
+    return self  # One collector per save, shared by its handlers.
+
   def add(self, name: str, box: Box, data: np.ndarray, *, path: str = '',
           shape: Sequence[int] | None = None, dtype: Any = None) -> None:
     """Records the CRC32C of `data`, which holds `box` of array `name`."""

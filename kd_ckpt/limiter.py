@@ -57,6 +57,9 @@ class HostLimiter:
     self._waits = 0
     self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
 
+  def __deepcopy__(self, memo) -> 'HostLimiter':
+    return self  # One per process: copies of handlers share it.
+
   @property
   def capacity_bytes(self) -> int | None:
     with self._lock:

@@ -154,48 +154,108 @@ def _shard_groups(shape, sharding) -> dict[tuple, list]:
   return groups
 
 
-def fill_array(src: Source, shape, dtype, sharding, *, strict: bool, name: str) -> jax.Array:
-  """A jax.Array of `shape` in `sharding`, filled from `src` within the limiter."""
+def fill_array(src: Source, shape, dtype, sharding, *, strict: bool, name: str,
+               reserve=None) -> jax.Array:
+  """A jax.Array of `shape` in `sharding`, filled from `src` within the limiter.
+
+  `reserve(nbytes)`, if given, is a context manager each piece is read
+  under (Orbax's `restore_concurrent_gb` byte limiter, when the user set one).
+  """
   if strict and tuple(shape) != src.shape:
     raise ValueError(
-        f'Leaf {name!r}: the target shape {tuple(shape)} differs from the saved'
-        f' shape {src.shape}. Pass a target with the saved shape (`python -m'
-        ' kd_ckpt inspect DIR` lists them), or restore with strict=False to'
-        ' pad or truncate.')
+        f'Leaf {name!r}: the requested shape {tuple(shape)} is not compatible with'
+        f' the stored shape {src.shape}. Pass a target with the saved shape'
+        ' (`python -m kd_ckpt inspect DIR` lists them), or restore with'
+        ' strict=False to pad or truncate.')
   dtype = np.dtype(dtype)
   itemsize = max(dtype.itemsize, src.dtype.itemsize)
   piece = src.ctx.piece_bytes
+  layout = None
+  if not isinstance(sharding, jax.sharding.Sharding):
+    # A `Format`: a custom device-local layout, plus the sharding.
+    layout, sharding = compat.format_layout(sharding), sharding.sharding
+  memory_kind = getattr(sharding, 'memory_kind', None)
   shards = {}
   for key, devices in _shard_groups(shape, sharding).items():
     shard_shape = tuple(b - a for a, b in key)
-    bufs = {d: jax.numpy.zeros(shard_shape, dtype, device=d) for d in devices}
-    if math.prod(shard_shape):
-      grid = slicing.chunk_shape(shard_shape, itemsize, piece)
-      for box in slicing.boxes(shard_shape, grid, itemsize, piece):
-        glob = slicing.offset(slicing.from_pairs(key), box, shape)
-        inside = tuple(slice(s.start, min(s.stop, n)) for s, n in zip(glob, src.shape))
-        if any(s.stop <= s.start for s in inside):
-          continue  # strict=False: beyond the saved array, stays zero.
-        for sub, data in src.pieces(inside):
-          _place(bufs, data, sub, key, dtype, src.ctx.limiter)
-    shards.update(bufs)
+    placer = _Placer(shard_shape, dtype, devices, key, memory_kind, layout, src.ctx.limiter)
+    with placer:
+      if math.prod(shard_shape):
+        grid = slicing.chunk_shape(shard_shape, itemsize, piece)
+        for box in slicing.boxes(shard_shape, grid, itemsize, piece):
+          glob = slicing.offset(slicing.from_pairs(key), box, shape)
+          inside = tuple(slice(s.start, min(s.stop, n)) for s, n in zip(glob, src.shape))
+          if any(s.stop <= s.start for s in inside):
+            continue  # strict=False: beyond the saved array, stays zero.
+          with (reserve(slicing.nbytes(inside, src.dtype.itemsize)) if reserve
+                else contextlib.nullcontext()):
+            for sub, data in src.pieces(inside):
+              placer.place(data, sub)
+      shards.update(placer.result())
   arrays = [shards[d] for d in sharding.addressable_devices_indices_map(tuple(shape))]
   return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
 
 
-def _place(bufs, data: np.ndarray, sub: slicing.Box, key, dtype, lim) -> None:
-  """Copies one host piece into every device buffer holding its shard."""
-  starts = np.array([s.start - a for s, (a, _) in zip(sub, key)], dtype=np.int32)
-  # The piece is already admitted; its cast and its device copy (host RAM on
-  # the CPU backend, a pinned staging buffer on GPUs) are admitted here.
-  extra = data.nbytes if data.dtype == dtype else data.nbytes + data.size * dtype.itemsize
-  with lim.hold_sync(extra):
-    host = data if data.dtype == dtype else data.astype(dtype)
-    for d in bufs:
-      piece = jax.device_put(host, d)
-      bufs[d] = _update(bufs[d], piece, starts)
-      bufs[d].block_until_ready()  # the piece's copy is gone before release
-      del piece
+class _Placer:
+  """One target shard on its devices, filled piece by piece.
+
+  Device memory: the shard is allocated once and updated in place (the
+  buffer is donated).  Other memory kinds (e.g. `pinned_host`) and custom
+  layouts, where XLA cannot update in place, are assembled in one host
+  buffer, admitted through the limiter, then transferred.
+  """
+
+  def __init__(self, shape, dtype, devices, key, memory_kind, layout, lim):
+    self.shape, self.dtype, self.key, self.lim = shape, dtype, key, lim
+    self.memory_kind = memory_kind
+    self.layout = layout
+    self.on_device = memory_kind in (None, 'device') and layout is None
+    self.devices = devices
+    self.staging = 0
+    if self.on_device:
+      self.bufs = {d: jax.numpy.zeros(shape, dtype, device=d) for d in devices}
+    else:
+      self.staging = math.prod(shape) * dtype.itemsize
+      lim.acquire(self.staging)
+      self.host = np.zeros(shape, dtype)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    if self.staging:
+      self.host = None
+      self.lim.release(self.staging)
+      self.staging = 0
+
+  def place(self, data: np.ndarray, sub: slicing.Box) -> None:
+    rel = tuple(slice(s.start - a, s.stop - a) for s, (a, _) in zip(sub, self.key))
+    if not self.on_device:
+      self.host[rel] = data
+      return
+    starts = np.array([s.start for s in rel], dtype=np.int32)
+    # The piece is already admitted; its cast and its device copy (host RAM
+    # on the CPU backend, a staging buffer on GPUs) are admitted here.
+    extra = data.nbytes if data.dtype == self.dtype else data.nbytes + data.size * self.dtype.itemsize
+    with self.lim.hold_sync(extra):
+      host = data if data.dtype == self.dtype else data.astype(self.dtype)
+      for d in self.bufs:
+        piece = jax.device_put(host, d)
+        self.bufs[d] = _update(self.bufs[d], piece, starts)
+        self.bufs[d].block_until_ready()  # the piece's copy is gone before release
+        del piece
+
+  def result(self) -> dict:
+    if self.on_device:
+      return self.bufs
+    out = {}
+    for d in self.devices:
+      target = jax.sharding.SingleDeviceSharding(d, memory_kind=self.memory_kind)
+      if self.layout is not None:
+        target = compat.make_format(self.layout, target)
+      out[d] = jax.device_put(self.host, target)
+    jax.block_until_ready(list(out.values()))
+    return out
 
 
 def _open(info, ctx: ReadContext, metadata_key) -> tuple[ts.TensorStore, ts.KvStore]:
@@ -212,6 +272,34 @@ def _open(info, ctx: ReadContext, metadata_key) -> tuple[ts.TensorStore, ts.KvSt
   return t, kv
 
 
+async def _check_files(infos, handler) -> None:
+  """Without OCDBT each array is its own folder: a missing one is FileNotFoundError."""
+  for info in infos:
+    if not info.is_ocdbt_checkpoint:
+      await compat.orbax.assert_parameter_files_exist(
+          info.parent_dir / info.name, handler._metadata_key, info.use_zarr3)  # pylint: disable=protected-access
+
+
+def _orbax_reservation(byte_limiter, loop):
+  """Orbax's own byte limiter (`restore_concurrent_gb`), honoured when set.
+
+  It is an asyncio object of the restore's event loop; reads run in a worker
+  thread, so reservations are made on that loop.
+  """
+  if byte_limiter is None or compat.is_unlimited(byte_limiter):
+    return None
+
+  @contextlib.contextmanager
+  def reserve(nbytes: int):
+    asyncio.run_coroutine_threadsafe(byte_limiter.wait_for_bytes(nbytes), loop).result()
+    try:
+      yield
+    finally:
+      asyncio.run_coroutine_threadsafe(byte_limiter.release_bytes(nbytes), loop).result()
+
+  return reserve
+
+
 async def read_arrays(handler, infos, args, ctx: ReadContext) -> list[jax.Array]:
   """`ArrayHandler.deserialize`, bounded: Orbax's semantics, kd_ckpt's memory."""
   if args is None:
@@ -219,8 +307,10 @@ async def read_arrays(handler, infos, args, ctx: ReadContext) -> list[jax.Array]
   ocp.type_handlers.check_input_arguments(infos, args)
   await asyncio.gather(*[info.await_path_creation() for info in infos])
   parent = epath.Path(infos[0].parent_dir)
+  await _check_files(infos, handler)
   sharding_file = (parent / compat.orbax.sharding_file_name).exists()
   shardings = await compat.orbax.deserialize_shardings(infos, args, sharding_file)
+  loop = asyncio.get_running_loop()
 
   def read_all():
     out = []
@@ -230,8 +320,10 @@ async def read_arrays(handler, infos, args, ctx: ReadContext) -> list[jax.Array]
       src = Source(info.name, t, kv, ctx)
       if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
         dtype = src.dtype
-      out.append(fill_array(src, shape if shape is not None else src.shape, dtype,
-                            sharding, strict=getattr(arg, 'strict', True), name=info.name))
+      out.append(fill_array(
+          src, shape if shape is not None else src.shape, dtype, sharding,
+          strict=getattr(arg, 'strict', True), name=info.name,
+          reserve=_orbax_reservation(info.byte_limiter, loop)))
     return out
 
   # Reads block on TensorStore and on the limiter: off the event loop.
@@ -250,6 +342,7 @@ async def read_numpy(handler, infos, args, ctx: ReadContext) -> list[np.ndarray]
   args = args or [ocp.type_handlers.RestoreArgs()] * len(infos)
   ocp.type_handlers.check_input_arguments(infos, args)
   await asyncio.gather(*[info.await_path_creation() for info in infos])
+  await _check_files(infos, handler)
 
   def read_all():
     out = []

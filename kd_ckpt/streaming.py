@@ -83,19 +83,17 @@ def ocdbt_subdir(use_ocdbt: bool) -> int | str | None:
   """Where this process's arrays go inside the checkpoint's OCDBT database.
 
   With one process there is one writer: the arrays go straight into the
-  root database, skipping Orbax's end-of-save merge (which copies every entry
-  through one transaction: +35 MiB at the end of a 1 GB save); Orbax's own
-  host values (numpy arrays, scalars) are merged as usual, and
-  `handler.SafePyTreeHandler.finalize` checks every array is there.  With
-  several processes each writes its own `ocdbt.process_kd<i>` database,
-  beside Orbax's `ocdbt.process_<i>` (which holds process 0's numpy leaves,
-  written through Orbax's context), and Orbax's finalize merges both.
+  root database, through kd_ckpt's own small-cache context, skipping Orbax's
+  end-of-save merge (which copies every entry through one transaction: +35
+  MiB at the end of a 1 GB save); Orbax's own host values (numpy arrays,
+  scalars) are merged as usual, and `handler.SafePyTreeHandler.finalize`
+  checks every array is there.  With several processes each writes its
+  `ocdbt.process_<i>` database as stock Orbax does, through the save's Orbax
+  context (process 0's numpy leaves share that database: one writer).
   """
-  if not use_ocdbt:
+  if not use_ocdbt or jax.process_count() == 1:
     return None
-  if jax.process_count() == 1:
-    return None
-  return f'kd{jax.process_index()}'
+  return compat.orbax.process_subdir(use_ocdbt)
 
 
 class StreamingArrayHandler(arrays_lib.KdArrayHandler):
@@ -119,7 +117,7 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
     await _directories_created()
     for info in infos:
       await info.await_path_creation()
-    context = write_context()
+    context = write_context() if jax.process_count() == 1 else infos[0].ts_context
     lim = ctx.limiter
     progress = arrays_lib.Progress(ctx.progress_total_bytes) if ctx.progress_total_bytes else None
     with lim.lease(ctx.capacity_bytes):
@@ -169,8 +167,11 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
         dtype=arr.dtype, use_ocdbt=info.is_ocdbt_checkpoint,
         process_index=ocdbt_subdir(info.is_ocdbt_checkpoint),
         metadata_key=self._metadata_key, ext_metadata=ext_metadata)
+    limiter = info.byte_limiter
+    if limiter is not None and compat.is_unlimited(limiter):
+      limiter = None
     return _Prepared(arr, rslices, local_shape, chunk, itemsize, spec,
-                     with_chunk_shape(spec.json, chunk), info.name)
+                     with_chunk_shape(spec.json, chunk), info.name, limiter)
 
   async def open_store(self, tspec: dict[str, Any], context: ts.Context) -> ts.TensorStore:
     """Creates the stored array (primary host) and opens it for writing."""
@@ -196,9 +197,15 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
 
   async def _write_array(self, p: '_Prepared', t: ts.TensorStore, pipeline: '_Pipeline') -> None:
     target_dtype = np.dtype(t.dtype.numpy_dtype)
-    if math.prod(p.local_shape) == 0:
-      return  # Zero-size: the metadata is all there is (Orbax refuses these).
     sums = self.save_context.checksums
+    if math.prod(p.local_shape) == 0:
+      # Zero-size: the metadata is all there is (Orbax refuses these); its
+      # record says so, so verify knows the leaf.
+      if sums is not None:
+        sums.add(p.name, tuple((0, int(n)) for n in p.arr.shape),
+                 np.zeros(p.local_shape, target_dtype), path=p.name,
+                 shape=p.arr.shape, dtype=target_dtype)
+      return
     for rslice in p.rslices.replica_slices:
       data = rslice.unsliced_data
       base = [slice(0, n) for n in data.shape]
@@ -219,7 +226,16 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
         if sums is not None:
           sums.add(p.name, slicing.pairs(dst, p.arr.shape), host, path=p.name,
                    shape=p.arr.shape, dtype=target_dtype)
-        pipeline.write(t, dst, host, charge)
+        if p.byte_limiter is None:
+          pipeline.write(t, dst, host, charge)
+        else:
+          # The user's `save_concurrent_gb` (Orbax's byte limiter) bounds the
+          # bytes being handed to TensorStore at once, as in stock Orbax.
+          await p.byte_limiter.wait_for_bytes(nbytes)
+          try:
+            await pipeline.write(t, dst, host, charge)
+          finally:
+            await p.byte_limiter.release_bytes(nbytes)
         del host
         await pipeline.maybe_flush()
 
@@ -260,13 +276,16 @@ class _Pipeline:
         await self.lim.acquire_async(charge)  # held by another item of the save
         return
 
-  def write(self, t: ts.TensorStore, dst, host: np.ndarray, charge: int) -> None:
+  def write(self, t: ts.TensorStore, dst, host: np.ndarray, charge: int):
+    """Stages `host` at `dst`; returns the staging future (awaiting it is optional)."""
     if self.txn is None:
       self.txn = ts.Transaction(atomic=False)
-    self.staged.append(t.with_transaction(self.txn)[dst].write(
-        host, can_reference_source_data_indefinitely=True))
+    fut = t.with_transaction(self.txn)[dst].write(
+        host, can_reference_source_data_indefinitely=True)
+    self.staged.append(fut)
     self.staged_bytes += host.nbytes
     self.staged_charge += charge
+    return fut
 
   async def maybe_flush(self) -> None:
     if self.staged_bytes >= self.group_bytes:
@@ -337,6 +356,7 @@ class _Prepared:
   spec: Any
   tspec: dict[str, Any]
   name: str
+  byte_limiter: Any = None
 
 
 async def _directories_created() -> None:

@@ -9,7 +9,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 import kd_ckpt
-from kd_ckpt import streaming
+from kd_ckpt import integrity
+from kd_ckpt import report as report_lib
+from kd_ckpt import slicing
 from tests import states
 
 MiB = 1 << 20
@@ -24,12 +26,12 @@ GB = 10**9
     ((3814, 512), 4, 3 * MiB), ((3814, 512), 2, 1 * MiB), ((7, 1907), 4, 4096),
 ])
 def test_slices_tile_the_shard_in_whole_chunks(shape, itemsize, slice_bytes):
-  chunk = streaming.slice_chunk_shape(shape, itemsize, slice_bytes)
+  chunk = slicing.chunk_shape(shape, itemsize, slice_bytes)
   assert all(n % c == 0 for n, c in zip(shape, chunk))  # chunks never straddle shards
   assert all(c >= 1 for c in chunk)
   assert np.prod(chunk, dtype=np.int64) * itemsize <= max(slice_bytes, itemsize)
   seen = np.zeros(shape, dtype=np.int32)
-  for box in streaming.slice_boxes(shape, chunk, itemsize, slice_bytes):
+  for box in slicing.boxes(shape, chunk, itemsize, slice_bytes):
     seen[box] += 1
     sizes = [b.stop - b.start for b in box]
     assert np.prod(sizes, dtype=np.int64) * itemsize <= max(slice_bytes, np.prod(chunk) * itemsize)
@@ -40,7 +42,9 @@ def test_slices_tile_the_shard_in_whole_chunks(shape, itemsize, slice_bytes):
 # --- the budget, measured in a fresh process -----------------------------------
 
 def _limit(budget):
-  return budget * 1.10 + 32 * MiB
+  # The budget itself; 8 MiB of measurement tolerance (VmHWM counts pages
+  # other threads touch meanwhile: allocator metadata, stacks).
+  return budget + 8 * MiB
 
 
 @pytest.mark.slow
@@ -109,8 +113,8 @@ def test_streaming_output_is_a_stock_orbax_checkpoint(tmp_path):
   ref.save(tmp_path / 'ref', tree)
   ref.wait_until_finished()
   # Plus kd_ckpt's own two files, beside Orbax's and ignored by it.
-  ours = set(os.listdir(d)) - {kd_ckpt.report.REPORT_FILE_NAME,
-                               kd_ckpt.integrity.file_name(0)}
+  ours = set(os.listdir(d)) - {report_lib.REPORT_FILE_NAME,
+                               integrity.file_name(0)}
   assert ours == set(os.listdir(tmp_path / 'ref'))
   meta_ours = json.loads((d / '_METADATA').read_text())
   meta_ref = json.loads((tmp_path / 'ref' / '_METADATA').read_text())
@@ -134,10 +138,9 @@ def test_format_guard_orbax_chunking_matches_ours(tmp_path):
   tree = {'w': states.filled((256, 64), states.NS(states.meshes()[0], states.P('x')))}
   kd_ckpt.save(tmp_path / 'c', tree, host_ram_budget=64 * MiB, strategy='streaming')
   import tensorstore as ts
-  from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
-  kv = ts_utils.build_kvstore_tspec(str(tmp_path / 'c'), name='w', use_ocdbt=True)
-  t = ts.open({'driver': 'zarr', 'kvstore': kv}, open=True,
-              context=ts_utils.get_ts_context(use_ocdbt=True)).result()
+  t = ts.open({'driver': 'zarr', 'kvstore': {
+      'driver': 'ocdbt', 'base': f'file://{tmp_path / "c"}/', 'path': 'w/'}},
+              open=True).result()
   assert t.dtype.numpy_dtype == np.float32 and tuple(t.shape) == (256, 64)
   assert np.array_equal(t.read().result(), np.asarray(tree['w']))
 

@@ -1,0 +1,464 @@
+"""Bounded reads of Orbax-saved arrays: any box, in pieces, never a whole chunk.
+
+Stock Orbax stores each saved shard as one zarr chunk, and TensorStore decodes
+a whole chunk to read any part of it, so a 4 GiB chunk cannot be restored in a
+256 MiB host budget through TensorStore's array API.  This module reads the
+chunk bytes straight from the checkpoint's OCDBT kvstore instead:
+
+  * raw chunks: only the byte ranges the box needs (`KvStore.read(byte_range=)`);
+  * zstd chunks: streaming decompression from the chunk's start, fed windows of
+    the compressed value; bytes before and after the box are dropped;
+  * zarr3 `sharding_indexed`: the shard index is read from the shard's end, and
+    each inner chunk is a byte range of the shard value.
+
+Supported: zarr v2 (compressor null or zstd, filters null, order C or F) and
+zarr3 (codecs `[bytes, zstd?]`, or `sharding_indexed` with those inner codecs
+and index codecs `[bytes, crc32c?]`), of bool/int/uint/float/complex dtypes in
+either byte order, bfloat16 and float8.  Anything else (blosc, filters,
+transpose, strings, ...) raises `NotImplementedError` naming the array: read
+that one with TensorStore.  Absent chunks read as the fill value (null: 0).
+
+Memory, with L = max(max_piece_bytes, itemsize): each piece holds at most L
+bytes.  While building one, a call also holds the reads or slab it is cut
+from: raw reads in flight of at most max(L/4, 64 KiB) bytes (TensorStore keeps
+~3 copies of a read while it lands, so ~0.75 L), or the decoded zstd slab of
+at most L (a piece of whole rows *is* the slab).  Plus a constant: a
+compressed window of <= 2 MiB (also ~3 copies), a <= 1 MiB skip buffer, zstd's
+window (2 MiB at Orbax's zarr3 level 3, 512 KiB at its zarr v2 level 1), one
+zarr3 shard index (16 bytes per inner chunk).  So the peak is about
+2 L + 12 MiB whatever the chunk size (20-25 MiB measured for a 512 MiB chunk
+read in 8 MiB pieces), plus the pieces the caller still holds: drop each
+before asking for the next.  For the same reason only chunks of at most L/4
+bytes are read whole in one kvstore read.
+
+Example:
+
+  kv = ts.KvStore.open({'driver': 'ocdbt', 'base': 'file:///ckpt/1/'}).result()
+  w = StoredArray.open(kv, 'params.w')
+  for box, data in w.read_pieces((slice(0, 4096), slice(None)), 64 << 20):
+    host_buffer[box] = data
+    del data       # else it stays alive while the next piece is read
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from typing import Any, Iterator, NamedTuple
+
+import google_crc32c
+import ml_dtypes
+import numpy as np
+import tensorstore as ts
+import zstandard
+
+from kd_ckpt import hostmem
+
+_MIN_READ = 64 << 10  # kvstore reads are at least this long (when possible)
+_MAX_WINDOW = 2 << 20  # compressed bytes per kvstore read when streaming
+_MAX_SKIP = 1 << 20  # buffer for decompressed bytes that are dropped
+_MAX_READS = 4096  # raw byte-range reads in flight
+_SMALL_ROW = 4096  # raw: rows up to this size are read whole (fewer reads)
+_ABSENT = 2**64 - 1  # sharding index entry of an absent inner chunk
+
+Box = tuple[slice, ...]
+Bounds = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+class _Blob(NamedTuple):
+  """A stored chunk: `size` bytes of `key`'s value from `offset` (None: all)."""
+  key: str
+  offset: int = 0
+  size: int | None = None
+
+
+def _unsupported(name: str, what: str) -> NotImplementedError:
+  return NotImplementedError(
+      f'array {name!r}: {what} is not supported by kd_ckpt.chunkread; read '
+      'this array with TensorStore instead.')
+
+
+def _dtype(name: Any, array: str) -> np.dtype:
+  if isinstance(name, str) and (name == 'bfloat16' or name.startswith('float8')):
+    if hasattr(ml_dtypes, name):
+      return np.dtype(getattr(ml_dtypes, name))
+  try:
+    dtype = np.dtype(name) if isinstance(name, str) else None
+  except TypeError:
+    dtype = None
+  if dtype is None or dtype.kind not in 'biufc':
+    raise _unsupported(array, f'dtype {name!r}')
+  return dtype
+
+
+def _fill(value: Any, dtype: np.dtype) -> np.ndarray:
+  if value is None:
+    return np.zeros((), dtype)
+  if isinstance(value, str) and value.startswith('0x'):  # zarr3 bit pattern
+    return np.array(int(value, 16), f'u{dtype.itemsize}').view(dtype)
+  if isinstance(value, str):  # 'NaN', 'Infinity', '-Infinity'
+    value = float(value.replace('Infinity', 'inf'))
+  if isinstance(value, list):  # zarr3 complex
+    value = complex(*value)
+  return np.array(value, dtype)
+
+
+def _level(extents, itemsize: int, limit: int) -> tuple[int, int]:
+  """(k, q): q rows along axis k, each whole over axes > k, fit in `limit`."""
+  k, unit = len(extents) - 1, itemsize
+  while k > 0 and unit * extents[k] <= limit:
+    unit *= extents[k]
+    k -= 1
+  return k, max(1, limit // unit)
+
+
+def _split(lo, hi, k: int, q: int) -> Iterator[Bounds]:
+  """Sub-boxes of [lo, hi) in C order: single indices on axes < k, q on k."""
+  if k < 0:
+    yield tuple(lo), tuple(hi)
+    return
+  for o in itertools.product(*(range(lo[j], hi[j]) for j in range(k))):
+    for a in range(lo[k], hi[k], q):
+      yield (o + (a,) + tuple(lo[k + 1:]),
+             tuple(i + 1 for i in o) + (min(a + q, hi[k]),) + tuple(hi[k + 1:]))
+
+
+def _run_axis(lo, hi, shape) -> int:
+  """The innermost axis where [lo, hi) is not all of `shape`; -1 if none."""
+  return max((j for j, (a, b, c) in enumerate(zip(lo, hi, shape))
+              if (a, b) != (0, c)), default=-1)
+
+
+class StoredArray:
+  """A stored zarr array in an OCDBT checkpoint, opened for bounded reads.
+
+  Attributes:
+    name: the array's key prefix in the kvstore (Orbax's leaf name).
+    shape, dtype: the array's shape and (native byte order) dtype.
+    chunk_shape: the chunk shape reads decode: the inner chunk of a zarr3
+      shard, else the zarr chunk.
+    shard_shape: the zarr3 shard (grid chunk) shape; `chunk_shape` otherwise.
+    chunk_nbytes: decoded bytes of one chunk of `chunk_shape`.
+    compressed: whether chunks are zstd-compressed (else raw).
+    order: 'C' or 'F', the element order inside a chunk.
+    fill_value: 0-d array, the value of absent chunks.
+  """
+
+  def __init__(self, kvstore: ts.KvStore, name: str, meta: dict[str, Any]):
+    self._kv, self.name, self.shape = kvstore, name, tuple(meta['shape'])
+    self._shard = None  # (inner chunks per shard, index at end, has crc32c)
+    self.order, fill = meta.get('order', 'C'), meta.get('fill_value')
+    if meta.get('zarr_format') == 2:
+      if meta.get('filters'):
+        raise _unsupported(name, f'zarr filters {meta["filters"]}')
+      compressor = (meta.get('compressor') or {}).get('id')
+      stored = _dtype(meta['dtype'], name)
+      self.chunk_shape = self.shard_shape = tuple(meta['chunks'])
+      sep, v2_keys = meta.get('dimension_separator', '.'), True
+    else:
+      grid = meta['chunk_grid']
+      if grid['name'] != 'regular':
+        raise _unsupported(name, f'chunk grid {grid["name"]!r}')
+      self.chunk_shape = self.shard_shape = tuple(
+          grid['configuration']['chunk_shape'])
+      codecs = meta['codecs']
+      if codecs and codecs[0]['name'] == 'sharding_indexed':
+        cfg = codecs[0]['configuration']
+        index = [c['name'] for c in cfg.get('index_codecs', [])]
+        if len(codecs) > 1 or index not in (['bytes'], ['bytes', 'crc32c']):
+          raise _unsupported(name, f'codecs {codecs}')
+        self.chunk_shape = tuple(cfg['chunk_shape'])
+        per = tuple(s // c for s, c in zip(self.shard_shape, self.chunk_shape))
+        end = cfg.get('index_location', 'end') == 'end'
+        self._shard = (per, end, index[-1] == 'crc32c')
+        codecs = cfg['codecs']
+      names = [c['name'] for c in codecs]
+      if names not in (['bytes'], ['bytes', 'zstd']):
+        raise _unsupported(name, f'codecs {names} (only bytes, zstd)')
+      compressor = 'zstd' if 'zstd' in names else None
+      endian = codecs[0].get('configuration', {}).get('endian', 'little')
+      stored = _dtype(meta['data_type'], name)
+      stored = stored.newbyteorder('<' if endian == 'little' else '>')
+      enc = meta.get('chunk_key_encoding', {'name': 'default'})
+      v2_keys = enc['name'] == 'v2'
+      sep = enc.get('configuration', {}).get('separator', '.' if v2_keys else '/')
+    if v2_keys:
+      self._key = lambda g: f'{name}/' + (sep.join(map(str, g)) or '0')
+    else:
+      self._key = lambda g: f'{name}/c' + ''.join(sep + str(i) for i in g)
+    if compressor not in (None, 'zstd'):
+      raise _unsupported(name, f'compressor {compressor!r} (only zstd or none)')
+    if self.order not in ('C', 'F'):
+      raise _unsupported(name, f'order {self.order!r}')
+    self.compressed = compressor == 'zstd'
+    self._stored = stored
+    self.dtype = stored.newbyteorder('=') if stored.byteorder in '<>' else stored
+    self.fill_value = _fill(fill, self.dtype)
+    self.chunk_nbytes = math.prod(self.chunk_shape) * stored.itemsize
+    self._storage_shape = self.chunk_shape[::-1 if self.order == 'F' else 1]
+    self._index_cache = (None, None)
+
+  @classmethod
+  def open(cls, kvstore: ts.KvStore, name: str) -> StoredArray:
+    """Opens array `name` of the checkpoint whose root OCDBT kvstore is given."""
+    name = name.strip('/')
+    for key in (f'{name}/.zarray', f'{name}/zarr.json'):
+      r = kvstore.read(key).result()
+      if r.state == 'value':
+        return cls(kvstore, name, json.loads(r.value))
+    raise FileNotFoundError(
+        f'No array {name!r} in this kvstore (neither {name}/.zarray nor '
+        f'{name}/zarr.json); pass the checkpoint root OCDBT kvstore and the '
+        'leaf name as Orbax stores it, e.g. "params.w".')
+
+  def read_pieces(self, box: Box, max_piece_bytes: int
+                  ) -> Iterator[tuple[Box, np.ndarray]]:
+    """Yields (sub_box, data) covering `box` exactly once, in any order.
+
+    Each `data` is a C-contiguous, writeable array of at most
+    L = max(max_piece_bytes, itemsize) bytes; the call's peak memory is about
+    2 L + 12 MiB (see the module docstring), whatever the chunk size, as long
+    as the caller drops each piece before asking for the next.
+
+    Args:
+      box: one slice (step 1) per dimension, in global coordinates.
+      max_piece_bytes: the bound on each piece.
+    """
+    hostmem.use_mmap_for_large_buffers()  # freed buffers leave RSS at once
+    lo, hi = self._bounds(box)
+    limit = max(int(max_piece_bytes), self.dtype.itemsize)
+    grid = [range(a // c, (b - 1) // c + 1) if b > a else range(0)
+            for a, b, c in zip(lo, hi, self.chunk_shape)]
+    for g in itertools.product(*grid):
+      origin = [i * c for i, c in zip(g, self.chunk_shape)]
+      clo = tuple(max(a, o) - o for a, o in zip(lo, origin))
+      chi = tuple(min(b, o + c) - o
+                  for b, o, c in zip(hi, origin, self.chunk_shape))
+      for (plo, phi), data in self._chunk(g, clo, chi, limit):
+        yield tuple(slice(o + a, o + b)
+                    for o, a, b in zip(origin, plo, phi)), data
+        del data
+
+  def _bounds(self, box: Box) -> Bounds:
+    if len(box) != len(self.shape):
+      raise ValueError(f'box {box} has {len(box)} dimensions; array '
+                       f'{self.name!r} has shape {self.shape}.')
+    ranges = [s.indices(n) for s, n in zip(box, self.shape)]
+    if any(step != 1 for _, _, step in ranges):
+      raise ValueError(f'box {box}: slices must have step 1.')
+    return (tuple(a for a, _, _ in ranges),
+            tuple(max(a, b) for a, b, _ in ranges))
+
+  def _read(self, blob: _Blob, a: int = 0, b: int | None = None):
+    """Future of bytes [a, b) of `blob` (b=None: to its end)."""
+    if b is None and blob.size is not None:
+      b = blob.size
+    if a == 0 and b is None and blob.offset == 0:
+      return self._kv.read(blob.key)
+    stop = None if b is None else blob.offset + b
+    return self._kv.read(blob.key, byte_range=slice(blob.offset + a, stop))
+
+  def _locate(self, g) -> _Blob | None:
+    """Where chunk `g` is stored; None if known to be absent."""
+    if self._shard is None:
+      return _Blob(self._key(g))
+    per, end, crc = self._shard
+    key = self._key([i // p for i, p in zip(g, per)])
+    if self._index_cache[0] != key:
+      n = math.prod(per)
+      size = 16 * n + 4 * crc
+      r = self._kv.read(key, byte_range=slice(-size, None) if end
+                        else slice(0, size)).result()
+      index = None
+      if r.state == 'value':
+        raw = r.value
+        if crc and google_crc32c.value(raw[:-4]) != int.from_bytes(
+            raw[-4:], 'little'):
+          raise ValueError(f'array {self.name!r}: shard {key} has a bad index '
+                           'checksum; the checkpoint is corrupt.')
+        index = np.frombuffer(raw, '<u8', count=2 * n).reshape(n, 2)
+      self._index_cache = (key, index)
+    index = self._index_cache[1]
+    if index is None:
+      return None
+    i = np.ravel_multi_index([i % p for i, p in zip(g, per)], per) if per else 0
+    offset, nbytes = (int(x) for x in index[i])
+    return None if offset == _ABSENT else _Blob(key, offset, nbytes)
+
+  def _chunk(self, g, lo, hi, limit: int) -> Iterator[tuple[Bounds, np.ndarray]]:
+    """Pieces of chunk `g` over chunk-local [lo, hi), in user axis order."""
+    blob, value = self._locate(g), None
+    small = self.chunk_nbytes <= max(limit // 4, self._stored.itemsize)
+    if blob is not None and (small or blob.size is None):
+      # Small chunk: read it whole.  Big unsharded one: does the key exist?
+      r = (self._read(blob) if small else self._read(blob, 0, 0)).result()
+      blob, value = (blob if r.state == 'value' else None), r.value
+      del r
+    if blob is None:
+      for plo, phi in _split(lo, hi, *_level(
+          [b - a for a, b in zip(lo, hi)], self.dtype.itemsize, limit)):
+        yield (plo, phi), np.full([b - a for a, b in zip(plo, phi)],
+                                  self.fill_value, self.dtype)
+      return
+    f = self.order == 'F'
+    slo, shi = (lo[::-1], hi[::-1]) if f else (lo, hi)
+    if small:
+      if self.compressed:
+        value = zstandard.ZstdDecompressor().decompress(
+            value, max_output_size=self.chunk_nbytes)
+      if len(value) != self.chunk_nbytes:
+        raise ValueError(f'array {self.name!r}: chunk {g} holds {len(value)} '
+                         f'bytes, expected {self.chunk_nbytes}; the checkpoint '
+                         'is corrupt.')
+      whole = np.frombuffer(value, self._stored).reshape(self._storage_shape)
+      pieces = iter([((slo, shi), whole[(*map(slice, slo, shi), ...)])])
+      del value, whole
+    elif self.compressed:
+      pieces = self._zstd(blob, slo, shi, limit)
+    else:
+      pieces = self._raw(blob, slo, shi, limit)
+    for (plo, phi), view in pieces:
+      data = np.asarray(view.T if f else view, order='C')
+      del view
+      if data.dtype != self.dtype:
+        data = data.astype(self.dtype)
+      elif not data.flags.writeable:
+        data = data.copy()
+      yield ((plo[::-1], phi[::-1]) if f else (plo, phi)), data
+      del data
+
+  def _raw(self, blob: _Blob, lo, hi, limit: int):
+    """Pieces of a raw chunk, each from the byte ranges it covers."""
+    c, n, s = self._storage_shape, len(lo), self._stored.itemsize
+    stride = [s * math.prod(c[j + 1:]) for j in range(n)]
+    most = max(limit // 4, _MIN_READ) // s * s  # bytes per read, in flight
+    level = _level([b - a for a, b in zip(lo, hi)], s, limit)
+    for plo, phi in _split(lo, hi, *level):
+      piece = np.empty([b - a for a, b in zip(plo, phi)], self._stored)
+      flat = piece.reshape(-1).view(np.uint8)
+      # Read box: the piece, widened to whole rows where that merges reads
+      # without reading more than twice the bytes (or rows <= _SMALL_ROW).
+      elo, ehi, m = list(plo), list(phi), _run_axis(plo, phi, c)
+      while m > 0 and math.prod(piece.shape[:m]) > 1:
+        run, whole = (ehi[m] - elo[m]) * stride[m], c[m] * stride[m]
+        if whole > most or (whole > 2 * run and whole > _SMALL_ROW):
+          break
+        elo[m], ehi[m] = 0, c[m]
+        m = _run_axis(elo, ehi, c)
+      r0 = max(m, 0)  # runs: one per index on axes < r0, contiguous after
+      if stride[r0] > most:  # too long to read in groups of rows: no widening
+        elo, ehi, r0 = plo, phi, max(_run_axis(plo, phi, c), 0)
+      widened = tuple(elo) != plo or tuple(ehi) != phi
+      rows, row = phi[r0] - plo[r0], stride[r0]  # E = the piece on axis r0
+      run_bytes = rows * row
+      cut = (slice(None),) + tuple(
+          slice(plo[j] - elo[j], phi[j] - elo[j]) for j in range(r0 + 1, n))
+      pending, in_flight, g = [], 0, max(most // row, 1)
+      for o in itertools.product(*(range(plo[j], phi[j]) for j in range(r0))):
+        start = sum(i * st for i, st in zip(o, stride)) + plo[r0] * row
+        rel = tuple(i - a for i, a in zip(o, plo))
+        if widened:  # reads of g whole rows (<= most bytes), cut to the piece
+          jobs = [(piece[rel + (slice(x, x + g),)],
+                   (min(g, rows - x),) + tuple(c[r0 + 1:]), cut,
+                   start + x * row, min(g, rows - x) * row)
+                  for x in range(0, rows, g)]
+        else:  # a contiguous part of the piece, in reads of <= most bytes
+          d = sum(i * st for i, st in zip(rel, piece.strides))
+          jobs = [(flat[d + x:d + min(x + most, run_bytes)], None, None,
+                   start + x, min(most, run_bytes - x))
+                  for x in range(0, run_bytes, most)]
+        for dst, shape, sel, a, size in jobs:
+          if pending and (in_flight + size > most or len(pending) >= _MAX_READS):
+            self._land(pending)
+            in_flight = 0
+          pending.append((dst, shape, sel, self._read(blob, a, a + size)))
+          in_flight += size
+      self._land(pending)
+      del flat
+      yield (plo, phi), piece
+      del piece
+
+  def _land(self, pending) -> None:
+    """Copies finished reads into their destinations, freeing each at once."""
+    for i, (dst, shape, sel, future) in enumerate(pending):
+      pending[i] = None
+      r = future.result()
+      del future
+      if r.state != 'value':
+        raise FileNotFoundError(f'array {self.name!r}: a chunk vanished while '
+                                'being read; is the checkpoint being deleted?')
+      value = r.value
+      del r
+      if shape is None:
+        dst[:] = np.frombuffer(value, np.uint8)
+      else:
+        dst[...] = np.frombuffer(value, self._stored).reshape(shape)[sel]
+      del value
+    pending.clear()
+
+  def _zstd(self, blob: _Blob, lo, hi, limit: int):
+    """Pieces of a zstd chunk, stream-decompressed from its start."""
+    c, n, s = self._storage_shape, len(lo), self._stored.itemsize
+    stride = [s * math.prod(c[j + 1:]) for j in range(n)]
+    k, q = _level(c, s, limit)
+    cut = (slice(None),) * (k + 1) + tuple(
+        slice(lo[j], hi[j]) for j in range(k + 1, n))
+    window = min(max(limit // 4, _MIN_READ), _MAX_WINDOW)
+    skip = memoryview(bytearray(min(limit, _MAX_SKIP)))
+    pos = 0
+    with zstandard.ZstdDecompressor().stream_reader(
+        _Source(self, blob), read_size=window) as reader:
+      for plo, phi in _split(lo, hi, k, q):
+        start = sum(plo[j] * stride[j] for j in range(k + 1))
+        while pos < start:  # decompress and drop the bytes before the slab
+          pos += self._fill_from(reader, skip[:min(len(skip), start - pos)])
+        slab = np.empty((1,) * k + (phi[k] - plo[k],) + tuple(c[k + 1:]),
+                        self._stored)
+        pos += self._fill_from(reader, slab.reshape(-1).view(np.uint8))
+        yield (plo, phi), slab[cut]
+        del slab
+
+  def _fill_from(self, reader, buf) -> int:
+    done, view = 0, memoryview(buf)
+    while done < len(view):
+      got = reader.readinto(view[done:])
+      if not got:
+        raise ValueError(f'array {self.name!r}: a zstd chunk ended early; the '
+                         'checkpoint is corrupt.')
+      done += got
+    return done
+
+
+class _Source:
+  """A blob as a file for zstandard: each read() is one byte-range read."""
+
+  def __init__(self, array: StoredArray, blob: _Blob):
+    self._array, self._blob, self._pos, self._end = array, blob, 0, blob.size
+
+  def read(self, n: int = -1) -> bytes:
+    if self._end is not None:
+      n = min(n, self._end - self._pos)
+    if n <= 0:
+      return b''
+    read = self._array._read  # pylint: disable=protected-access
+    try:
+      value = read(self._blob, self._pos, self._pos + n).result().value
+    except ValueError as e:  # the value ends before pos + n: read the rest
+      if 'OUT_OF_RANGE' not in str(e) or self._end is not None:
+        raise
+      value = read(self._blob, self._pos).result().value
+      self._end = self._pos + len(value)
+    self._pos += len(value)
+    return value
+
+
+def read_box(kvstore: ts.KvStore, name: str, box: Box,
+             max_piece_bytes: int) -> np.ndarray:
+  """Reads `box` of array `name` into one new array, piece by piece."""
+  array = StoredArray.open(kvstore, name)
+  lo, hi = array._bounds(box)  # pylint: disable=protected-access
+  out = np.empty([b - a for a, b in zip(lo, hi)], array.dtype)
+  for sub, data in array.read_pieces(box, max_piece_bytes):
+    out[tuple(slice(s.start - a, s.stop - a) for s, a in zip(sub, lo))] = data
+  return out
