@@ -26,7 +26,7 @@ import tempfile
 
 from etils import epath
 
-from kd_ckpt import hostmem
+from kd_ckpt import text
 
 # Orbax writes `<name>.orbax-checkpoint-tmp[-<n>]` and renames it at the end.
 TMP_MARKER = '.orbax-checkpoint-tmp'
@@ -40,12 +40,13 @@ class DiskFullError(OSError):
   """The checkpoint's filesystem ran out of space (errno ENOSPC)."""
 
   @classmethod
-  def during_save(cls, directory, needed_bytes: int) -> 'DiskFullError':
+  def during_save(cls, directory, needed_bytes: int | None) -> 'DiskFullError':
     free = free_bytes(directory)
+    needed = (f' the save needed about {text.format_bytes(needed_bytes)} (uncompressed), and'
+              if needed_bytes is not None else '')
     return cls(errno.ENOSPC, (
-        f'Disk full while saving {os.fspath(directory)!r}: the save needed about'
-        f' {hostmem.format_bytes(needed_bytes)} (uncompressed), and'
-        f' {hostmem.format_bytes(free)} is free now that its partial files are'
+        f'Disk full while saving {os.fspath(directory)!r}:{needed}'
+        f' {text.format_bytes(free)} is free now that its partial files are'
         ' removed. Earlier checkpoints are untouched. Free space (e.g. a lower'
         ' max_to_keep) or save elsewhere, then save again.'))
 
@@ -93,8 +94,8 @@ def check_free_space(directory: epath.PathLike, needed_bytes: int) -> None:
   if needed_bytes > free:
     raise DiskFullError(errno.ENOSPC, (
         f'Not enough disk space for {os.fspath(directory)!r}: the save needs'
-        f' about {hostmem.format_bytes(needed_bytes)} and'
-        f' {hostmem.format_bytes(free)} is free on'
+        f' about {text.format_bytes(needed_bytes)} and'
+        f' {text.format_bytes(free)} is free on'
         f' {os.fspath(nearest_existing(directory))!r}. Nothing was written.'
         ' Free space (e.g. a lower max_to_keep) or save elsewhere.'))
 

@@ -219,6 +219,7 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
       args = SafeRestore(item=item)
     if args.item is not None:
       _standard_leaves(args.item, restore=True)
+      check_structure(directory, args.item)
     budget_spec = budget_lib.parse(getattr(args, 'host_ram_budget', None) or self._budget)
     budget_bytes = budget_lib.resolve(budget_spec, hostmem.probe())
     capacity = cost.limiter_capacity(budget_bytes)
@@ -280,6 +281,30 @@ class SafeRestore(ocp.args.StandardRestore):
   host_ram_budget: budget_lib.BudgetLike | None = None
 
 
+def check_structure(directory, target: Any) -> None:
+  """Raises naming the first leaf where `target` and the checkpoint differ.
+
+  Stock Orbax refuses the same targets (its message lists the tree
+  difference); this says which leaf, and what to do, before anything is read.
+  """
+  stored = [n for n, t in compat.stored_params(directory) if t in _STORED_TYPES]
+  wanted = tree_lib.names(target)
+  fix = (f' `python -m kd_ckpt inspect {directory}` lists the saved leaves;'
+         ' build the target from them, or pass target=None.')
+  missing = [n for n in wanted if n not in set(stored)]
+  if missing:
+    raise ValueError(
+        f'Structure mismatch: target leaf {missing[0]!r} is not in the checkpoint'
+        + (f' (nor {len(missing) - 1} more: {missing[1:4]})' if len(missing) > 1 else '')
+        + f'; the checkpoint has {len(stored)} leaves.' + fix)
+  extra = [n for n in stored if n not in set(wanted)]
+  if extra:
+    raise ValueError(
+        f'Structure mismatch: checkpoint leaf {extra[0]!r} is missing from the target'
+        + (f' (and {len(extra) - 1} more: {extra[1:4]})' if len(extra) > 1 else '')
+        + '; a restore covers every saved leaf.' + fix)
+
+
 def check_arrays_present(directory) -> None:
   """Raises if an array `_METADATA` lists is not in the root OCDBT database.
 
@@ -317,4 +342,4 @@ def _disk_full_or(e: BaseException, directory) -> BaseException:
   if isinstance(e, disk.DiskFullError) or not disk.is_disk_full(e):
     return e
   target = directory.path if hasattr(directory, 'path') else directory
-  return disk.DiskFullError.during_save(target, 0)
+  return disk.DiskFullError.during_save(target, None)

@@ -34,15 +34,15 @@ from kd_ckpt import tree as tree_lib
 _STEP_DIR_RE = re.compile(r'^(?:ckpt_)?(\d+)$')
 
 
-class NoCheckpointError(FileNotFoundError):
-  """Nothing at the given path is a checkpoint kd_ckpt can read."""
+class NoCheckpointError(ValueError):
+  """The given folder is not a checkpoint kd_ckpt can read (nor holds one)."""
 
 
 def checkpoint_dir(directory) -> epath.Path:
   """`directory` if it is a PyTree checkpoint; else an error saying what to pass."""
   path = epath.Path(directory)
   if not path.exists():
-    raise NoCheckpointError(
+    raise FileNotFoundError(
         f'No checkpoint at {os.fspath(directory)!r}. Check the path (for a'
         ' Kauldron step, point at its item folder, e.g. ckpt_100/default).')
   if disk.TMP_MARKER in path.name:
@@ -69,7 +69,7 @@ def find_checkpoint(directory) -> tuple[epath.Path, epath.Path | None]:
   """(PyTree checkpoint dir, Kauldron/kd_ckpt step dir or None) for `directory`."""
   path = epath.Path(directory)
   if not path.is_dir():
-    raise NoCheckpointError(f'no such directory: {os.fspath(directory)!r}')
+    raise FileNotFoundError(f'no such directory: {os.fspath(directory)!r}')
   if (path / '_METADATA').is_file():
     if _is_step_dir(path.parent):
       return path, path.parent
@@ -145,30 +145,31 @@ class CheckpointInfo:
 
   def __str__(self) -> str:
     fb = text.format_bytes
-    head = [('checkpoint', self.directory)]
+    lines = [f'checkpoint  {self.directory}']
     if self.step is not None:
-      head.append(('step', str(self.step)))
-    head.append(('leaves', f'{len(self.leaves)}, {fb(self.total_bytes)}'
-                 f' ({fb(self.disk_bytes)} on disk)'))
+      lines.append(f'step        {self.step}')
+    lines.append(f'leaves      {len(self.leaves)}, {fb(self.total_bytes)}'
+                 f' ({fb(self.disk_bytes)} on disk)')
     r = self.report
     if r is None:
-      head.append(('saved by', 'Orbax (no kd_ckpt report)'))
+      lines.append('saved by    Orbax (no kd_ckpt report)')
     else:
-      head += [
-          ('saved by', f'kd_ckpt, strategy {r.strategy} ({r.settings})'),
-          ('  budget', fb(r.budget_bytes)),
-          ('  predicted peak extra RSS', fb(r.predicted_peak_bytes)),
-          ('  measured peak extra RSS', fb(r.peak_extra_bytes)
+      lines.append(f'saved by    kd_ckpt, strategy {r.strategy} ({r.settings})')
+      for label, value in (
+          ('budget', fb(r.budget_bytes)),
+          ('predicted peak extra RSS', fb(r.predicted_peak_bytes)),
+          ('measured peak extra RSS', fb(r.peak_extra_bytes)
            + (' (async commit included)' if r.async_commit else '')),
-          ('  RSS retained after save', fb(r.retained_bytes)),
-          ('  bytes written', fb(r.bytes_written)),
-          ('  bytes reused', f'{fb(r.bytes_reused)} ({r.leaves_reused} leaves)'),
-          ('  seconds', f'{r.seconds:.2f} ({r.gb_per_sec:.2f} GB/s)'),
-      ]
+          ('RSS retained after save', fb(r.retained_bytes)),
+          ('bytes written', fb(r.bytes_written)),
+          ('bytes reused', f'{fb(r.bytes_reused)} ({r.leaves_reused} leaves)'),
+          ('seconds', f'{r.seconds:.2f} ({r.gb_per_sec:.2f} GB/s)'),
+      ):
+        lines.append(f'  {label:<26}{value}')
     rows = [('path', 'shape', 'dtype', 'bytes')]
     rows += [(l.path, 'n/a' if l.shape is None else str(l.shape), l.dtype or 'n/a',
               fb(l.nbytes)) for l in self.leaves]
-    return text.key_values(head) + '\n\n' + text.table(rows, align_right=(3,))
+    return '\n'.join(lines) + '\n\n' + text.table(rows, align_right=(3,))
 
 
 def read_leaves(item_dir) -> tuple[StoredLeaf, ...]:
@@ -196,13 +197,21 @@ def read_report(item_dir, step_dir=None) -> report_lib.SaveReport | None:
     f = epath.Path(d) / report_lib.REPORT_FILE_NAME if d is not None else None
     if f is not None and f.is_file():
       data = json.loads(f.read_text())
-      fields = {k.name for k in dataclasses.fields(report_lib.SaveReport)}
-      return report_lib.SaveReport(**{k: v for k, v in data.items() if k in fields})
+      # Reports of other kd_ckpt versions may lack fields: zero them.
+      fields = {k.name: k for k in dataclasses.fields(report_lib.SaveReport)}
+      values = {k: v for k, v in data.items() if k in fields}
+      for name, field in fields.items():
+        if name not in values and field.default is dataclasses.MISSING:
+          values[name] = '' if field.type in ('str', str) else 0
+      return report_lib.SaveReport(**values)
   return None
 
 
 def _disk_bytes(directory) -> int:
-  return sum(p.stat().st_size for p in epath.Path(directory).rglob('*') if p.is_file())
+  total = 0
+  for root, _, files in os.walk(os.fspath(directory)):
+    total += sum(os.stat(os.path.join(root, f)).st_size for f in files)
+  return total
 
 
 def inspect(directory) -> CheckpointInfo:

@@ -136,7 +136,7 @@ class MeasuredSave:
     """Removes the unfinished save; a full disk becomes `DiskFullError`."""
     if jax.process_index() == 0 and not _is_remote(self.directory):
       disk.remove_unfinished(self.directory)
-    if disk.is_disk_full(e) and not isinstance(e, disk.DiskFullError):
+    if disk.is_disk_full(e):
       raise disk.DiskFullError.during_save(self.directory, self.plan.total_bytes) from e
 
   # --- after ------------------------------------------------------------------

@@ -329,7 +329,7 @@ def test_inspect_text_through_python_m(tmp_path):
   assert lines[1] == 'step        3'
   assert lines[2].startswith('leaves      3, 8.02 KiB (')  # 8216 B
   assert 'saved by    kd_ckpt, strategy streaming (slices of 1.00 MiB, 2 in flight)' in lines
-  rows = [l.split() for l in lines[lines.index('') + 2:]]  # after the header
+  rows = [l.split() for l in lines[lines.index('') + 3:]]  # after the header and rule
   assert rows == [
       ['params.b', '(10,)', 'bfloat16', '20', 'B'],
       ['params.w', '(64,', '32)', 'float32', '8.00', 'KiB'],

@@ -131,3 +131,32 @@ def test_stock_orbax_checkpoint_has_nothing_to_verify(tmp_path):
     kd_ckpt.verify(d)
   cli = _cli('verify', str(d))
   assert cli.returncode == 2 and 'no kd_ckpt checksums' in cli.stderr
+
+
+def test_flipped_byte_in_a_prng_key_leaf_is_named(tmp_path):
+  """Orbax strategy: the key's data is checksummed like any array (issue 10)."""
+  keys = jax.random.split(jax.random.key(0), 1 << 18)  # 2 MiB of key data
+  tree = {'keys': keys, 'small': jnp.ones((4,))}
+  d = tmp_path / 'ckpt'
+  kd_ckpt.save(d, tree, host_ram_budget='64MiB', strategy='orbax')
+  assert 'keys' in integrity.read(d)
+  assert kd_ckpt.verify(d).ok
+  _flip_a_byte_of_the_biggest_data_file(d)
+  report = kd_ckpt.verify(d, host_ram_budget='64MiB')
+  assert {l.path for l in report.bad} == {'keys'}, str(report)
+
+
+def test_leaf_without_checksum_is_unchecked_and_fails_the_cli(tmp_path):
+  d = tmp_path / 'ckpt'
+  kd_ckpt.save(d, _tree(), host_ram_budget='64MiB', strategy='streaming')
+  f = d / integrity.file_name(0)
+  data = json.loads(f.read_text())
+  del data['leaves']['grid']
+  f.write_text(json.dumps(data))
+  report = kd_ckpt.verify(d)
+  assert report.ok  # nothing is corrupt ...
+  assert [l.path for l in report.unchecked] == ['grid']  # ... but one leaf is unvouched for
+  assert 'UNCHECKED' in report.summary()
+  cli = _cli('verify', str(d))
+  assert cli.returncode == 1 and 'unchecked' in cli.stderr, cli.stderr[-2000:]
+  assert _cli('verify', str(d), '--allow-unchecked').returncode == 0
