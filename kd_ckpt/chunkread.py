@@ -240,6 +240,33 @@ class StoredArray:
                     for o, a, b in zip(origin, plo, phi)), data
         del data
 
+  def state_bytes(self, max_piece_bytes: int) -> int:
+    """What a `read_pieces` call holds beyond its 2 pieces (bytes), at most.
+
+    Raw: byte-range reads in flight (TensorStore keeps ~3 copies while one
+    lands).  zstd: ~3 copies of the compressed window, the skip buffer, and
+    the decoder's window, read from the stored frame header (zstd sizes its
+    buffer from it: 512 KiB at Orbax's zarr v2 level 1).
+    """
+    limit = max(int(max_piece_bytes), self.dtype.itemsize)
+    if not self.compressed:
+      return 3 * max(limit // 4, _MIN_READ)
+    window = min(max(limit // 4, _MIN_READ), _MAX_WINDOW)
+    return 3 * window + min(limit, _MAX_SKIP) + self._decoder_window()
+
+  def _decoder_window(self) -> int:
+    """zstd window of this array's frames (first chunk); 8 MiB if unknown."""
+    if getattr(self, '_window', None) is None:
+      self._window = 8 << 20  # zstd's default window bound up to level 19
+      blob = self._locate((0,) * len(self.shape))
+      if blob is not None:
+        try:
+          head = self._read(blob, 0, 18).result().value
+          self._window = int(zstandard.get_frame_parameters(head).window_size) or self._window
+        except (ValueError, zstandard.ZstdError):
+          pass
+    return self._window
+
   def _bounds(self, box: Box) -> Bounds:
     if len(box) != len(self.shape):
       raise ValueError(f'box {box} has {len(box)} dimensions; array '

@@ -59,10 +59,10 @@ WRITE_NODE_CACHE_BYTES = 8 * 10**6
 
 # --- Restore --------------------------------------------------------------------
 READ_NODE_CACHE_BYTES = 8 * 10**6
-# Streaming zstd decompression (chunkread) keeps a window of compressed input
-# and zstd's own frame buffers (<= 8 MiB window at level 1-3) beside its
-# output pieces.
-ZSTD_STATE_BYTES = 10 * MiB
+# A stored chunk bigger than a piece is read by `chunkread`: two pieces plus
+# its state (`StoredArray.state_bytes`), which for zstd chunks includes the
+# decoder's window, 512 KiB-2 MiB for Orbax's levels: pieces leave this much.
+CHUNKREAD_STATE_BYTES = 3 * MiB
 
 # --- Orbax's own save (cannot be enforced: chosen only if its worst case fits)
 # TensorStore and OCDBT contexts, thread stacks and arenas, metadata: 4-16 MiB
@@ -71,6 +71,11 @@ ORBAX_FLOOR_BYTES = 16 * MiB
 # Raw chunks: TensorStore references the host copy (0.01 GiB measured for a
 # 1 GiB array).
 ORBAX_RAW_ENCODE_FACTOR = 0.02
+# Replica-parallel slices are cut by `lax.slice_in_dim`, compiled at the first
+# save of each shape: +12 MiB measured on one process (32 MiB replicated state,
+# first save against later ones), +15 MiB on each of two (tests/
+# test_multiprocess.py); kept at 24 MiB.
+ORBAX_SLICE_COMPILE_BYTES = 24 * MiB
 
 
 def limiter_capacity(budget_bytes: int) -> int:
@@ -95,20 +100,19 @@ def read_charge(piece_bytes: int, chunk_bytes: int) -> int:
   return int(piece_bytes + 2 * min(chunk_bytes, piece_bytes))
 
 
-def chunkread_charge(piece_bytes: int) -> int:
-  """`chunkread` reading a chunk bigger than a piece: <= 2 pieces + zstd state."""
-  return int(2 * piece_bytes + ZSTD_STATE_BYTES)
-
-
 def place_charge(piece_bytes: int) -> int:
   """Placing a piece on a device: a cast copy and the device (or staging) copy."""
   return int(2 * piece_bytes)
 
 
 def restore_piece_bytes(capacity_bytes: int) -> int:
-  """The largest piece whose reads and placement fit the capacity together."""
-  by_ts = capacity_bytes // 5                     # read_charge + place_charge
-  by_chunkread = (capacity_bytes - ZSTD_STATE_BYTES) // 4
+  """The largest piece whose reads and placement fit the capacity together.
+
+  TensorStore read: piece + 2 chunks (<= piece each) + placement (2 pieces).
+  chunkread: 2 pieces + its state + placement (2 pieces).
+  """
+  by_ts = capacity_bytes // 5
+  by_chunkread = (capacity_bytes - CHUNKREAD_STATE_BYTES) // 4
   piece = min(by_ts, by_chunkread, MAX_SLICE_BYTES)
   return int(max(64 * KiB, piece // KiB * KiB))
 
@@ -189,6 +193,7 @@ def predict_orbax_async(
   """
   on_cpu = est.platform == 'cpu'
   copies = 0
+  sliced = use_replica_parallel and any(l.replica_parallel_applies for l in est.leaves)
   for leaf in est.leaves:
     w = leaf.host_bytes(use_replica_parallel)
     if not leaf.is_array:
@@ -197,4 +202,6 @@ def predict_orbax_async(
       copies += w
   pinned = copies if enable_pinned_host_transfer and not on_cpu else 0
   encode = int(est.total_bytes(use_replica_parallel) * ORBAX_RAW_ENCODE_FACTOR)
-  return OrbaxCost(host_copy_bytes=copies, pinned_staging_bytes=pinned, encode_bytes=encode)
+  floor = ORBAX_FLOOR_BYTES + (ORBAX_SLICE_COMPILE_BYTES if sliced else 0)
+  return OrbaxCost(host_copy_bytes=copies, pinned_staging_bytes=pinned, encode_bytes=encode,
+                   floor_bytes=floor)

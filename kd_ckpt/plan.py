@@ -282,7 +282,7 @@ def candidates_for(est: estimate_lib.TreeEstimate, budget_bytes: int) -> list[Ca
   if est.process_count > 1:
     rows = exchange.agree(
         [x for c in cands for x in (c.predicted_peak_bytes, c.written_bytes, int(c.fits))],
-        what='the save plan').reshape(est.process_count, len(cands), 3)
+        what='the save plan').reshape(-1, len(cands), 3)
     cands = [dataclasses.replace(c, worst_peak_bytes=int(rows[:, i, 0].max()),
                                  written_bytes=int(rows[:, i, 1].max()),
                                  fits=bool(rows[:, i, 2].min()))

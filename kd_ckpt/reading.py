@@ -97,8 +97,8 @@ class Source:
     """(sub_box, host array) covering `box` (global, inside the stored domain)."""
     lim = self.ctx.limiter
     if self.stored is not None:
-      # chunkread holds at most its documented bound at any time.
-      charge = cost.chunkread_charge(self.ctx.piece_bytes)
+      # chunkread holds at most two pieces and its state at any time.
+      charge = 2 * self.ctx.piece_bytes + self.stored.state_bytes(self.ctx.piece_bytes)
       lim.acquire(charge)
       try:
         yield from self.stored.read_pieces(box, self.ctx.piece_bytes)

@@ -163,12 +163,16 @@ class MeasuredSave:
         settings=self.plan.settings_text(), budget_bytes=self.plan.budget_bytes,
         predicted_peak_bytes=self.plan.predicted_peak_bytes,
         peak_extra_bytes=self._peak.extra_bytes, retained_bytes=self._peak.retained_bytes,
-        bytes_written=max(0, self.plan.total_bytes - stats.bytes_reused),
+        bytes_written=stats.bytes_written + self._host_leaf_bytes(),
         bytes_reused=stats.bytes_reused, leaves_reused=stats.leaves_reused,
         seconds=max(0.0, end - self._start), async_commit=self.async_commit,
         exact_peak=self._peak.exact)
-    logging.info('kd_ckpt saved %s: %s', self.label, self.report.summary())
+    logging.info('kd_ckpt %s saved: %s', self.label, self.report.summary())
     return self.report
+
+  def _host_leaf_bytes(self) -> int:
+    """numpy and scalar leaves: Orbax's own handler writes them whole."""
+    return sum(l.host_bytes(True) for l in self.plan.estimate.leaves if not l.is_array)
 
   def write_report(self, directory=None) -> None:
     """The report beside the checkpoint (process 0), for `kd_ckpt inspect`."""

@@ -15,7 +15,7 @@ test hooks.
 Kill points (each prints "CRASH_WORKER KILL <point>" to stderr, then SIGKILLs
 its own process):
 
-  d2h      the save's first device-to-host copy: kd_ckpt.streaming._to_host
+  d2h      the save's first device-to-host copy: kd_ckpt.streaming.to_host
            (streaming), Orbax's replica_slices.transfer_arrays_to_host (orbax).
   write    data half written: streaming, before the middle slice of the
            8 MiB leaf (the first ones staged or committed to the OCDBT database);
@@ -118,14 +118,14 @@ def _die(point: str) -> None:
 def _mid_slice() -> int:
   """The slice of the big leaf to die before: past the first, before the last."""
   from kd_ckpt import budget  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import cost  # pylint: disable=g-import-not-at-top
   from kd_ckpt import hostmem  # pylint: disable=g-import-not-at-top
-  from kd_ckpt import streaming  # pylint: disable=g-import-not-at-top
-  from kd_ckpt import streaming_layout  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import slicing  # pylint: disable=g-import-not-at-top
 
   nbytes = budget.resolve(BUDGETS['streaming'], hostmem.probe())
-  slice_bytes = streaming_layout.choose(nbytes).slice_bytes
-  chunk = streaming.slice_chunk_shape(BIG_SHAPE, 4, slice_bytes, global_shape=BIG_SHAPE)
-  n = len(list(streaming.slice_boxes(BIG_SHAPE, chunk, 4, slice_bytes)))
+  slice_bytes = cost.streaming_layout(nbytes).slice_bytes
+  chunk = slicing.chunk_shape(BIG_SHAPE, 4, slice_bytes, global_shape=BIG_SHAPE)
+  n = len(list(slicing.boxes(BIG_SHAPE, chunk, 4, slice_bytes)))
   if n < 3:
     raise SystemExit(f'the big leaf makes {n} slices at {BUDGETS["streaming"]}: no middle')
   return n // 2 + 1
@@ -152,7 +152,7 @@ def _install(point: str, strategy: str) -> None:
     return first_call
 
   if point == 'd2h' and strategy == 'streaming':
-    wrap(streaming, '_to_host', die_first)
+    wrap(streaming, 'to_host', die_first)
   elif point == 'd2h':
     wrap(replica_slices, 'transfer_arrays_to_host', die_first)
   elif point == 'write' and strategy == 'streaming':
@@ -167,7 +167,7 @@ def _install(point: str, strategy: str) -> None:
             _die(point)
         return orig(data, box)
       return to_host
-    wrap(streaming, '_to_host', make)
+    wrap(streaming, 'to_host', make)
   elif point == 'write':
     def make(orig):
       async def write(*a, **k):

@@ -178,7 +178,8 @@ def _save(argv) -> dict:
   multihost_utils.sync_global_devices('kd_ckpt_mp_test_warm_up')
 
   ckpt = kd_ckpt.SafeCheckpointer(
-      workdir=workdir, save_interval_steps=1, host_ram_budget=int(budget),
+      workdir=workdir, save_interval_steps=1,
+      host_ram_budget=int(budget) if budget.isdigit() else budget,
       strategy=strategy)
   hostmem.release_free_memory()
   # The report's peak ends when save() returns, while an async Orbax save
@@ -195,8 +196,8 @@ def _save(argv) -> dict:
   out['report'] = ckpt.reports[-1].to_json_dict()
   out['whole_save_peak_extra_bytes'] = whole.extra_bytes
   out['whole_save_exact'] = whole.exact
-  handler = ckpt._ckpt_mgr.safe_handlers()['default']  # pylint: disable=protected-access
-  out['stream_bytes_written'] = handler.stats.bytes_written if handler.stats else None
+  out['local_process_count'] = hostmem.local_process_count()
+  out['available_bytes'] = hostmem.probe().available_bytes
 
   multihost_utils.sync_global_devices('kd_ckpt_mp_test_saved')
   step_dir = os.path.join(workdir, 'checkpoints', f'ckpt_{CKPT_STEP}')
@@ -212,7 +213,7 @@ def _save(argv) -> dict:
   check_shards(back.params, 'SafeCheckpointer.restore')
   del back
   back = kd_ckpt.restore(os.path.join(step_dir, 'default'), abstract,
-                         host_ram_budget=int(budget))
+                         host_ram_budget=int(budget) if budget.isdigit() else budget)
   check_shards(back.params, 'kd_ckpt.restore')
   del back
   ckpt.close()
