@@ -41,7 +41,7 @@ $(PY):
 	"$$py" -m venv $(VENV)
 
 $(STAMP): pyproject.toml constraints.txt | $(PY)
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[gemma,test]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[kauldron,gemma,test]"
 	@touch $@
 
 test: $(STAMP)

@@ -353,6 +353,28 @@ def main(argv=None) -> int:
   return 1 if violations else 0
 
 
+VERSIONED = ('jax', 'jaxlib', 'orbax-checkpoint', 'tensorstore', 'numpy', 'flax',
+             'optax', 'google-crc32c', 'zstandard', 'psutil', 'kauldron')
+
+
+def versions() -> dict[str, str]:
+  """What this check runs with: the machine's packages, kd_ckpt from this tree.
+
+  The GPU machine comes with its own jax/orbax and no Kauldron; kd_ckpt is
+  imported from the checkout (PYTHONPATH), and adapts to what is missing
+  (no google-crc32c: no checksums; no psutil: /proc).
+  """
+  import importlib.metadata  # pylint: disable=g-import-not-at-top
+  out = {'python': platform.python_version()}
+  for name in VERSIONED:
+    try:
+      out[name] = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      out[name] = 'not installed'
+  out['kd_ckpt'] = f'{REPO} (this tree)'
+  return out
+
+
 def write_outputs(out, rows, budget, restore_max, dry_run, wall, final):
   """Writes gpu_check.md/.json (also after every row, in case of a kill)."""
   rows = [dict(r) for r in rows]
@@ -363,8 +385,11 @@ def write_outputs(out, rows, budget, restore_max, dry_run, wall, final):
     r['orbax_default_seconds'] = ref.get(r['state'])
   violations = measure.check_rows(rows)
   backend = next((r.get('backend') for r in rows if r.get('backend')), '?')
+  vers = versions()
   md = '\n'.join([
       '# kd_ckpt GPU check' + ('' if final else ' (PARTIAL: still running or killed)'),
+      '',
+      'Versions: ' + ', '.join(f'{k} {v}' for k, v in vers.items()),
       '',
       f'{platform.node()}; backend {backend}{" (DRY RUN)" if dry_run else ""};'
       f' kd_ckpt budget {measure.budget_label(budget)}; wall {wall:.0f} s.',
@@ -384,7 +409,7 @@ def write_outputs(out, rows, budget, restore_max, dry_run, wall, final):
     f.write(md)
   with open(os.path.join(out, 'gpu_check.json'), 'w') as f:
     json.dump({'rows': rows, 'violations': violations, 'wall_seconds': wall,
-               'dry_run': dry_run, 'final': final}, f, indent=1)
+               'dry_run': dry_run, 'final': final, 'versions': vers}, f, indent=1)
   return md, violations
 
 

@@ -47,13 +47,22 @@ import json
 import math
 from typing import Any, Iterator, NamedTuple
 
-import google_crc32c
 import ml_dtypes
 import numpy as np
 import tensorstore as ts
-import zstandard
 
 from kd_ckpt import hostmem
+from kd_ckpt import integrity
+
+
+def _zstd():
+  try:
+    import zstandard  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError(
+        'Reading a zstd chunk bigger than the restore budget allows needs the'
+        ' zstandard package: pip install zstandard (a kd_ckpt dependency).') from e
+  return zstandard
 
 _MIN_READ = 64 << 10  # kvstore reads are at least this long (when possible)
 _MAX_WINDOW = 2 << 20  # compressed bytes per kvstore read when streaming
@@ -262,8 +271,8 @@ class StoredArray:
       if blob is not None:
         try:
           head = self._read(blob, 0, 18).result().value
-          self._window = int(zstandard.get_frame_parameters(head).window_size) or self._window
-        except (ValueError, zstandard.ZstdError):
+          self._window = int(_zstd().get_frame_parameters(head).window_size) or self._window
+        except (ValueError, _zstd().ZstdError):
           pass
     return self._window
 
@@ -300,7 +309,8 @@ class StoredArray:
       index = None
       if r.state == 'value':
         raw = r.value
-        if crc and google_crc32c.value(raw[:-4]) != int.from_bytes(
+        if crc and integrity.available() and integrity.crc32c(
+            np.frombuffer(raw[:-4], np.uint8)) != int.from_bytes(
             raw[-4:], 'little'):
           raise ValueError(f'array {self.name!r}: shard {key} has a bad index '
                            'checksum; the checkpoint is corrupt.')
@@ -332,7 +342,7 @@ class StoredArray:
     slo, shi = (lo[::-1], hi[::-1]) if f else (lo, hi)
     if small:
       if self.compressed:
-        value = zstandard.ZstdDecompressor().decompress(
+        value = _zstd().ZstdDecompressor().decompress(
             value, max_output_size=self.chunk_nbytes)
       if len(value) != self.chunk_nbytes:
         raise ValueError(f'array {self.name!r}: chunk {g} holds {len(value)} '
@@ -434,7 +444,7 @@ class StoredArray:
     window = min(max(limit // 4, _MIN_READ), _MAX_WINDOW)
     skip = memoryview(bytearray(min(limit, _MAX_SKIP)))
     pos = 0
-    with zstandard.ZstdDecompressor().stream_reader(
+    with _zstd().ZstdDecompressor().stream_reader(
         _Source(self, blob), read_size=window) as reader:
       for plo, phi in _split(lo, hi, k, q):
         start = sum(plo[j] * stride[j] for j in range(k + 1))

@@ -186,6 +186,19 @@ def default_type_handler_pairs() -> list[tuple[Any, Any]]:
   return pairs
 
 
+def replace_standard_checkpoint_handler(cls: type) -> None:
+  """Makes Orbax's `StandardCheckpointHandler` resolve to `cls` (test processes only).
+
+  Orbax's test utilities subclass the name from its defining module when
+  they are imported; `kd_ckpt.testing.install_orbax_peer` uses this.
+  """
+  mod = importlib.import_module(f'{_O}.handlers.standard_checkpoint_handler')
+  if not hasattr(mod, 'StandardCheckpointHandler'):
+    raise IncompatibleVersionError(_message(
+        'orbax-checkpoint', mod.__name__, 'StandardCheckpointHandler', (), 'it is gone'))
+  mod.StandardCheckpointHandler = cls
+
+
 def is_unlimited(byte_limiter) -> bool:
   return isinstance(byte_limiter, orbax.unlimited_bytes)
 

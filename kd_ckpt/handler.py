@@ -248,7 +248,7 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
 
 def context_for(plan: plan_lib.SavePlan, **kwargs) -> arrays_lib.SaveContext:
   """The save context of a plan: limiter capacity and slices from its budget."""
-  kwargs.setdefault('checksums', integrity.Checksums())
+  kwargs.setdefault('checksums', integrity.collector())
   layout = plan.layout or cost.streaming_layout(plan.budget_bytes)
   return arrays_lib.SaveContext(
       capacity_bytes=max(1, layout.capacity_bytes), slice_bytes=max(1, layout.slice_bytes),

@@ -23,7 +23,10 @@ import functools
 import os
 import pathlib
 
-import psutil
+try:
+  import psutil  # pylint: disable=g-import-not-at-top
+except ImportError:  # e.g. a bare GPU image: Linux's /proc says the same
+  psutil = None
 
 from kd_ckpt import text
 
@@ -230,7 +233,23 @@ def local_process_count() -> int:
 
 
 def current_rss_bytes() -> int:
-  return psutil.Process().memory_info().rss
+  if psutil is not None:
+    return psutil.Process().memory_info().rss
+  with open('/proc/self/statm') as f:
+    return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+
+
+def _virtual_memory() -> tuple[int, int]:
+  """(total, available) bytes of the machine."""
+  if psutil is not None:
+    vm = psutil.virtual_memory()
+    return int(vm.total), int(vm.available)
+  info = {}
+  with open('/proc/meminfo') as f:
+    for line in f:
+      key, _, value = line.partition(':')
+      info[key] = int(value.split()[0]) * 1024
+  return info['MemTotal'], info.get('MemAvailable', info['MemFree'])
 
 
 def probe(
@@ -240,8 +259,7 @@ def probe(
     process_count: int | None = None,
 ) -> HostMemory:
   """Reads the host's memory now; see `HostMemory`."""
-  vm = psutil.virtual_memory()
-  total, available = int(vm.total), int(vm.available)
+  total, available = _virtual_memory()
   cg = read_cgroup_memory(cgroup_root, proc_cgroup)
   if cg is not None and cg.limit_bytes is not None:
     total = min(total, cg.limit_bytes)

@@ -35,8 +35,12 @@ import threading
 from typing import Any, Sequence
 
 from etils import epath
-import google_crc32c
 import numpy as np
+
+try:
+  import google_crc32c  # pylint: disable=g-import-not-at-top
+except ImportError:  # a bare image without it: saves carry no checksums
+  google_crc32c = None
 
 FILE_PREFIX = 'kd_ckpt_checksums'
 FORMAT = 'kd_ckpt.checksums/1'
@@ -54,6 +58,23 @@ def _files(directory: epath.PathLike) -> list[epath.Path]:
   if not d.is_dir():
     return []
   return sorted(p for p in d.iterdir() if _FILE_RE.match(p.name))
+
+
+def available() -> bool:
+  """Whether CRC32C can be computed here (`google-crc32c` installed)."""
+  return google_crc32c is not None
+
+
+def collector() -> 'Checksums | None':
+  """A new save's collector, or None (logged once) where CRC32C is unavailable."""
+  if available():
+    return Checksums()
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  logging.log_first_n(
+      logging.WARNING, 'kd_ckpt: google-crc32c is not installed, so saves record no'
+      ' checksums (verify will report their leaves unchecked): pip install'
+      ' google-crc32c.', 1)
+  return None
 
 
 def crc32c(data: np.ndarray, crc: int = 0) -> int:

@@ -73,7 +73,7 @@ class MeasuredSave:
       if reuse_from and reuse_from.get(name) is not None:
         source = reuse_lib.Source.open(reuse_from[name], label=f'{self.label}/{name}')
       self._contexts[name] = handler_lib.context_for(
-          self.plan, checksums=integrity.Checksums(), stats=self.stats, reuse=source,
+          self.plan, checksums=integrity.collector(), stats=self.stats, reuse=source,
           progress_total_bytes=self.plan.total_bytes)
     self._peak = hostmem.PeakRss()
     self._lock = threading.Lock()

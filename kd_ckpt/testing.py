@@ -21,6 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from kd_ckpt import arrays as arrays_lib
+from kd_ckpt import compat
 from kd_ckpt import handler as handler_lib
 from kd_ckpt import orbax_writer
 from kd_ckpt import plan as plan_lib
@@ -35,8 +36,6 @@ def install_orbax_peer(strategy: str) -> None:
   """Routes Orbax's PyTree and Standard handlers through kd_ckpt (`strategy`)."""
   if strategy not in ('streaming', 'orbax'):
     raise ValueError(f'strategy={strategy!r}: use "streaming" or "orbax".')
-  from orbax.checkpoint._src.handlers import standard_checkpoint_handler  # pylint: disable=g-import-not-at-top
-
   ctx = arrays_lib.SaveContext.for_budget(plan_lib.budget_lib.parse(PEER_BUDGET).bytes)
   cls = streaming.StreamingArrayHandler if strategy == 'streaming' else orbax_writer.OrbaxArrayHandler
   ocp.type_handlers.register_type_handler(jax.Array, cls(save=ctx), override=True)
@@ -55,5 +54,5 @@ def install_orbax_peer(strategy: str) -> None:
                        pytree_metadata_options=pytree_metadata_options,
                        use_ocdbt=use_ocdbt)
 
-  standard_checkpoint_handler.StandardCheckpointHandler = PeerStandardHandler
+  compat.replace_standard_checkpoint_handler(PeerStandardHandler)
   ocp.StandardCheckpointHandler = PeerStandardHandler

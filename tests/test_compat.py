@@ -1,0 +1,94 @@
+"""The compat wall: every internal checked loudly, and Kauldron optional (issue 12)."""
+
+import ast
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from kd_ckpt import compat
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+PKG = REPO / 'kd_ckpt'
+
+
+def test_every_internal_is_found_in_the_installed_versions():
+  versions = compat.check_all()
+  assert versions['orbax-checkpoint'] == compat.TESTED['orbax-checkpoint']
+
+
+def test_a_missing_internal_fails_loudly_naming_version_and_symbol():
+  with pytest.raises(compat.IncompatibleVersionError) as e:
+    compat._need('orbax-checkpoint', 'orbax.checkpoint._src.serialization.replica_slices',  # pylint: disable=protected-access
+                 'no_such_function')
+  msg = str(e.value)
+  assert 'no_such_function' in msg and compat.version('orbax-checkpoint') in msg
+  assert 'pip install "orbax-checkpoint==' in msg
+  with pytest.raises(compat.IncompatibleVersionError, match=r"no parameter\(s\) \['nope'\]"):
+    compat._need('orbax-checkpoint', 'orbax.checkpoint._src.serialization.replica_slices',  # pylint: disable=protected-access
+                 'transfer_arrays_to_host', ('arrays', 'nope'))
+
+
+def test_patches_of_orbax_functions_reach_kd_ckpt(monkeypatch):
+  """compat calls Orbax's functions as they are at call time."""
+  from orbax.checkpoint._src.serialization import replica_slices  # pylint: disable=g-import-not-at-top
+  calls = []
+  monkeypatch.setattr(replica_slices, 'get_replica_slices',
+                      lambda *a, **k: calls.append(a) or 'patched')
+  assert compat.orbax.get_replica_slices(1, 0, True) == 'patched' and calls
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+  tree = ast.parse(path.read_text())
+  out = set()
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      out.update(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      out.add(node.module)
+  return out
+
+
+def test_only_compat_imports_internals():
+  """One module touches `_src` / private packages; Kauldron only under kd_ckpt/kauldron."""
+  for path in PKG.rglob('*.py'):
+    rel = path.relative_to(REPO).as_posix()
+    for mod in _imports(path):
+      if '._src' in mod or mod.startswith('jax._src'):
+        assert rel == 'kd_ckpt/compat.py', (rel, mod)
+      if mod.split('.')[0] == 'kauldron':
+        assert rel.startswith('kd_ckpt/kauldron/'), (rel, mod)
+    text = path.read_text()
+    if rel != 'kd_ckpt/compat.py':
+      assert '_src.' not in text.replace('# pylint', ''), rel
+
+
+def test_import_and_save_without_kauldron(tmp_path):
+  """A plain Orbax user's machine: no Kauldron, no gemma."""
+  block = tmp_path / 'block'
+  block.mkdir()
+  (block / 'sitecustomize.py').write_text(
+      'import importlib.abc, sys\n'
+      'class _Block(importlib.abc.MetaPathFinder):\n'
+      '  def find_spec(self, name, path=None, target=None):\n'
+      "    if name.split('.')[0] in ('kauldron', 'gemma'):\n"
+      "      raise ModuleNotFoundError(f'No module named {name!r} (blocked)', name=name)\n"
+      'sys.meta_path.insert(0, _Block())\n')
+  script = (
+      'import sys, jax.numpy as jnp, kd_ckpt\n'
+      "assert 'kauldron' not in sys.modules\n"
+      "r = kd_ckpt.save(sys.argv[1], {'w': jnp.ones((64, 64))}, host_ram_budget='64MiB')\n"
+      "back = kd_ckpt.restore(sys.argv[1])\n"
+      "assert float(back['w'].sum()) == 64 * 64\n"
+      "assert 'kauldron' not in sys.modules\n"
+      'try:\n'
+      '  kd_ckpt.SafeCheckpointer\n'
+      'except ImportError as e:\n'
+      "  assert 'kd_ckpt[kauldron]' in str(e), e\n"
+      "  print('OK without kauldron')\n")
+  env = dict(os.environ, PYTHONPATH=f'{block}{os.pathsep}{REPO}', JAX_PLATFORMS='cpu')
+  proc = subprocess.run([sys.executable, '-c', script, str(tmp_path / 'c')],
+                        capture_output=True, text=True, env=env, timeout=300)
+  assert proc.returncode == 0 and 'OK without kauldron' in proc.stdout, proc.stderr[-3000:]
