@@ -92,15 +92,17 @@ class SaveContext:
       default_factory=limiter_lib.process_limiter)
 
   @classmethod
-  def for_budget(cls, budget_bytes: int, **kwargs) -> 'SaveContext':
-    layout = cost.streaming_layout(budget_bytes)
+  def for_budget(cls, budget_bytes: int, num_leaves: int = 0, **kwargs) -> 'SaveContext':
+    layout = cost.streaming_layout(budget_bytes, num_leaves)
     return cls(capacity_bytes=layout.capacity_bytes, slice_bytes=layout.slice_bytes,
                group_bytes=layout.group_bytes, **kwargs)
 
 
-def read_context_for(capacity_bytes: int) -> reading.ReadContext:
-  return reading.ReadContext(limiter_lib.process_limiter(), capacity_bytes,
-                             cost.restore_piece_bytes(capacity_bytes))
+def read_context_for(capacity_bytes: int, num_leaves: int = 0) -> reading.ReadContext:
+  """A restore's reads: pieces sized to what the leaves' bookkeeping leaves."""
+  return reading.ReadContext(
+      limiter_lib.process_limiter(), capacity_bytes,
+      cost.restore_piece_bytes(capacity_bytes - cost.leaves_charge(num_leaves)))
 
 
 # Restores through a handler that was not given a budget (e.g. Orbax's own

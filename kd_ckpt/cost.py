@@ -15,7 +15,7 @@ Example:
 
   cap = cost.limiter_capacity(256 << 20)        # bytes buffers may hold
   piece = cost.restore_piece_bytes(cap)
-  layout = cost.streaming_layout(256 << 20)
+  layout = cost.streaming_layout(256 << 20, num_leaves=1738)
 """
 
 from __future__ import annotations
@@ -38,15 +38,30 @@ FLOOR_BYTES = 24 * MiB
 
 # --- Streaming save -------------------------------------------------------------
 # A staged slice costs its host buffer, which TensorStore references rather
-# than copies (raw chunks), plus OCDBT's data-file buffer while its group
-# commits.  Measured: 1.0-1.1 per staged byte; charged 1.5.
+# than copies when each chunk is one contiguous run of the slice (raw chunks),
+# plus OCDBT's data-file buffer while its group commits.  Measured: 1.0-1.1
+# per staged byte; charged 1.5.
 STAGED_FACTOR = 1.5
-# Per leaf whose TensorStore is open while its slices are written (spec,
-# driver state, metadata cache entry).  Measured ~20 KiB; charged 64 KiB.
-PER_LEAF_BYTES = 64 * KiB
+# When a chunk is not contiguous in the slice (e.g. column chunks, forced by
+# prime shard extents), TensorStore copies the slice into per-chunk buffers:
+# one more copy.  Measured 1.5x over the 1.5 charge on a 4x2 mesh of prime
+# extents (tests/test_budget.py, mesh2d_prime); charged 2.5.
+STAGED_COPY_FACTOR = 2.5
+# Per chunk staged in a transaction: TensorStore's write state and the OCDBT
+# B-tree entry.  Measured ~3 KiB (2,000 leaves of 16 KiB in 8 chunks each:
+# 25 KiB/leaf beyond the data); charged 4 KiB.  Negligible for MiB chunks.
+PER_CHUNK_BYTES = 4 * KiB
+# Per leaf, for the whole save: Orbax's ParamInfo and metadata, the zarr spec,
+# TensorStore's open array.  Measured 12.4-14.9 KiB/leaf (1,000-10,000 tiny
+# leaves, `python bench/calibrate.py leaves`); charged 16 KiB.
+PER_LEAF_BYTES = 16 * KiB
 # Leaves opened together (their metadata commits share one OCDBT commit).
 OPEN_BATCH_LEAVES = 256
 MIN_SLICE_BYTES = 1 * MiB
+# Replica parallelism splits a replicated shard among its replicas; on one
+# host that only multiplies chunks, across hosts it shares the writing.
+# Shards smaller than this are written whole by one replica.
+MIN_REPLICA_PARALLEL_BYTES = 1 * MiB
 # Bigger slices stop paying off: 64 MiB writes already saturate a local disk
 # and keep per-write overhead under 1%.
 MAX_SLICE_BYTES = 64 * MiB
@@ -68,6 +83,9 @@ CHUNKREAD_STATE_BYTES = 3 * MiB
 # TensorStore and OCDBT contexts, thread stacks and arenas, metadata: 4-16 MiB
 # measured for states of 0.1-13 MiB.
 ORBAX_FLOOR_BYTES = 16 * MiB
+# Per leaf: Orbax's bookkeeping plus the write futures of one transaction.
+# Measured 21 KiB/leaf (4,000 and 10,000 tiny leaves); charged 32 KiB.
+ORBAX_PER_LEAF_BYTES = 32 * KiB
 # Raw chunks: TensorStore references the host copy (0.01 GiB measured for a
 # 1 GiB array).
 ORBAX_RAW_ENCODE_FACTOR = 0.02
@@ -83,15 +101,23 @@ def limiter_capacity(budget_bytes: int) -> int:
   return int(budget_bytes) - FLOOR_BYTES
 
 
-def min_budget_bytes() -> int:
-  """The smallest budget a bounded save or restore can honour."""
-  return FLOOR_BYTES + 4 * int(MIN_SLICE_BYTES * STAGED_FACTOR)
+def min_budget_bytes(num_leaves: int = 0) -> int:
+  """The smallest budget a bounded save (of `num_leaves` leaves) can honour."""
+  return (FLOOR_BYTES + 2 * staged_charge(MIN_SLICE_BYTES, contiguous=False)
+          + leaves_charge(num_leaves))
 
 
 # --- what the limiter charges ---------------------------------------------------
 
-def staged_charge(nbytes: int) -> int:
-  return int(math.ceil(nbytes * STAGED_FACTOR))
+def staged_charge(nbytes: int, *, chunks: int = 1, contiguous: bool = True) -> int:
+  """What one staged slice costs until its transaction has committed."""
+  factor = STAGED_FACTOR if contiguous else STAGED_COPY_FACTOR
+  return int(math.ceil(nbytes * factor)) + chunks * PER_CHUNK_BYTES
+
+
+def leaves_charge(num_leaves: int) -> int:
+  """The per-leaf bookkeeping of a save, held from its start to its end."""
+  return int(num_leaves) * PER_LEAF_BYTES
 
 
 def read_charge(piece_bytes: int, chunk_bytes: int) -> int:
@@ -103,6 +129,11 @@ def read_charge(piece_bytes: int, chunk_bytes: int) -> int:
 def place_charge(piece_bytes: int) -> int:
   """Placing a piece on a device: a cast copy and the device (or staging) copy."""
   return int(2 * piece_bytes)
+
+
+def min_restore_budget_bytes(num_leaves: int = 0) -> int:
+  """The smallest budget a restore of `num_leaves` leaves can honour."""
+  return FLOOR_BYTES + leaves_charge(num_leaves) + 5 * 64 * KiB + CHUNKREAD_STATE_BYTES
 
 
 def restore_piece_bytes(capacity_bytes: int) -> int:
@@ -134,33 +165,36 @@ class StreamingLayout:
   slice_bytes: int
   group_bytes: int
 
+  leaves_bytes: int = 0
+
   @property
   def feasible(self) -> bool:
-    return self.slice_bytes >= MIN_SLICE_BYTES and staged_charge(
-        2 * self.slice_bytes) <= self.capacity_bytes // 2 + 1
+    """Room for two slices at the worst staging cost, after the leaves' share."""
+    return (self.slice_bytes >= MIN_SLICE_BYTES and
+            2 * staged_charge(self.slice_bytes, contiguous=False)
+            <= self.capacity_bytes - self.leaves_bytes)
 
 
-def streaming_layout(budget_bytes: int) -> StreamingLayout:
+def streaming_layout(budget_bytes: int, num_leaves: int = 0) -> StreamingLayout:
   """Slices sized so two groups of `TARGET_SLICES_PER_GROUP` fit the capacity.
 
-  The leaf metadata of one open batch is charged too (at most an eighth of
-  the capacity, so several items of one save can share the limiter).
+  The leaves' bookkeeping (`leaves_charge`) comes off the capacity first.
   """
   cap = limiter_capacity(budget_bytes)
-  usable = cap - min(cap // 8, OPEN_BATCH_LEAVES * PER_LEAF_BYTES)
-  group = usable / (2 * STAGED_FACTOR)
-  slice_bytes = int(min(MAX_SLICE_BYTES, group / TARGET_SLICES_PER_GROUP)) // MiB * MiB
+  leaves = leaves_charge(num_leaves)
+  group = (cap - leaves) / (2 * STAGED_FACTOR)
+  slice_bytes = int(min(MAX_SLICE_BYTES, (cap - leaves) / (2 * STAGED_COPY_FACTOR),
+                        group / TARGET_SLICES_PER_GROUP)) // MiB * MiB
   if slice_bytes < MIN_SLICE_BYTES:
     slice_bytes = int(group / TARGET_SLICES_PER_GROUP) // KiB * KiB
   return StreamingLayout(capacity_bytes=max(0, cap), slice_bytes=max(0, slice_bytes),
-                         group_bytes=max(0, int(group)))
+                         group_bytes=max(0, int(group)), leaves_bytes=leaves)
 
 
 def predict_streaming(est: estimate_lib.TreeEstimate, layout: StreamingLayout) -> int:
   """Floor plus what is admitted at once; never more than the data needs."""
-  per_leaf = min(est.num_leaves, OPEN_BATCH_LEAVES) * PER_LEAF_BYTES
-  data = staged_charge(est.total_bytes(True))
-  return FLOOR_BYTES + min(layout.capacity_bytes, data + per_leaf)
+  data = staged_charge(est.total_bytes(True), contiguous=False)
+  return FLOOR_BYTES + min(layout.capacity_bytes, data + leaves_charge(est.num_leaves))
 
 
 # --- Orbax's async save ---------------------------------------------------------
@@ -202,6 +236,7 @@ def predict_orbax_async(
       copies += w
   pinned = copies if enable_pinned_host_transfer and not on_cpu else 0
   encode = int(est.total_bytes(use_replica_parallel) * ORBAX_RAW_ENCODE_FACTOR)
-  floor = ORBAX_FLOOR_BYTES + (ORBAX_SLICE_COMPILE_BYTES if sliced else 0)
+  floor = (ORBAX_FLOOR_BYTES + (ORBAX_SLICE_COMPILE_BYTES if sliced else 0)
+           + est.num_leaves * ORBAX_PER_LEAF_BYTES)
   return OrbaxCost(host_copy_bytes=copies, pinned_staging_bytes=pinned, encode_bytes=encode,
                    floor_bytes=floor)

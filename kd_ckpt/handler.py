@@ -43,6 +43,7 @@ from kd_ckpt import orbax_writer
 from kd_ckpt import plan as plan_lib
 from kd_ckpt import reuse as reuse_lib
 from kd_ckpt import streaming
+from kd_ckpt import text
 from kd_ckpt import tree as tree_lib
 
 # Match `ocp.StandardCheckpointHandler()`: what stock Kauldron writes and
@@ -159,7 +160,9 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     ctx = getattr(args, 'context', None) or context_for(plan)
     if plan.strategy == 'streaming':
       array_handler = streaming.StreamingArrayHandler(
-          save=ctx, primary_host=self._mp.primary_host)
+          save=ctx, primary_host=self._mp.primary_host,
+          use_replica_parallel=jax.process_count() > 1,
+          min_slice_bytes_for_replica_parallel=cost.MIN_REPLICA_PARALLEL_BYTES)
       kwargs = dict(use_compression=False, enable_pinned_host_transfer=False)
     else:
       array_handler = orbax_writer.OrbaxArrayHandler(
@@ -222,13 +225,18 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
       check_structure(directory, args.item)
     budget_spec = budget_lib.parse(getattr(args, 'host_ram_budget', None) or self._budget)
     budget_bytes = budget_lib.resolve(budget_spec, hostmem.probe())
-    capacity = cost.limiter_capacity(budget_bytes)
-    if capacity <= 0:
+    num_leaves = len([n for n, t in compat.stored_params(directory) if t in _STORED_TYPES])
+    need = cost.min_restore_budget_bytes(num_leaves)
+    if budget_bytes < need:
       raise plan_lib.BudgetTooSmallError(
-          f'host_ram_budget={budget_spec.text} ({budget_bytes} bytes) leaves nothing'
-          f' beyond the fixed floor of {cost.FLOOR_BYTES} bytes; use at least'
-          f' {cost.min_budget_bytes()} bytes.')
-    read = arrays_lib.read_context_for(capacity)
+          f'host_ram_budget={budget_spec.text} ({text.format_bytes(budget_bytes)}) is'
+          f' below the smallest budget a restore of this checkpoint can honour,'
+          f' {text.format_bytes(need)}: a fixed floor of'
+          f' {text.format_bytes(cost.FLOOR_BYTES)}, {num_leaves} leaves\' bookkeeping'
+          f' ({text.format_bytes(cost.leaves_charge(num_leaves))}) and a few pieces.'
+          f' Raise host_ram_budget to at least {text.format_bytes(need)}.')
+    capacity = cost.limiter_capacity(budget_bytes)
+    read = arrays_lib.read_context_for(capacity, num_leaves)
     impl = self._pytree_handler(arrays_lib.KdArrayHandler(read=read),
                                 arrays_lib.KdNumpyHandler(read=read))
     hostmem.use_mmap_for_large_buffers()
@@ -249,7 +257,7 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
 def context_for(plan: plan_lib.SavePlan, **kwargs) -> arrays_lib.SaveContext:
   """The save context of a plan: limiter capacity and slices from its budget."""
   kwargs.setdefault('checksums', integrity.collector())
-  layout = plan.layout or cost.streaming_layout(plan.budget_bytes)
+  layout = plan.layout or cost.streaming_layout(plan.budget_bytes, plan.num_leaves)
   return arrays_lib.SaveContext(
       capacity_bytes=max(1, layout.capacity_bytes), slice_bytes=max(1, layout.slice_bytes),
       group_bytes=max(1, layout.group_bytes), **kwargs)

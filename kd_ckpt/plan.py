@@ -130,7 +130,7 @@ class Streaming:
   name: str = 'streaming'
 
   def predict(self, est, budget_bytes) -> Candidate:
-    layout = cost.streaming_layout(budget_bytes)
+    layout = cost.streaming_layout(budget_bytes, est.num_leaves)
     peak = cost.predict_streaming(est, layout)
     return Candidate(
         name=self.name, strategy='streaming', predicted_peak_bytes=peak,
@@ -342,13 +342,15 @@ def plan_from_estimate(
   elif stream.fits:
     choice = stream
   else:
+    need = cost.min_budget_bytes(est.num_leaves)
     raise BudgetTooSmallError(
         f'host_ram_budget={budget_text or budget_bytes} resolves to'
         f' {text.format_bytes(budget_bytes)}, below the smallest budget kd_ckpt'
-        f' can honour ({text.format_bytes(cost.min_budget_bytes())}: a fixed floor of'
-        f' {text.format_bytes(cost.FLOOR_BYTES)} plus room for a few'
-        f' {text.format_bytes(cost.MIN_SLICE_BYTES)} slices). Raise host_ram_budget'
-        f' to at least {text.format_bytes(cost.min_budget_bytes())}.')
+        f' can honour for this tree ({text.format_bytes(need)}: a fixed floor of'
+        f' {text.format_bytes(cost.FLOOR_BYTES)}, {est.num_leaves} leaves\''
+        f' bookkeeping ({text.format_bytes(cost.leaves_charge(est.num_leaves))}) and room'
+        f' for two {text.format_bytes(cost.MIN_SLICE_BYTES)} slices). Raise'
+        f' host_ram_budget to at least {text.format_bytes(need)}.')
   use_rp = choice.orbax.use_replica_parallel if choice.orbax else True
   return SavePlan(
       strategy=choice.strategy, budget_bytes=budget_bytes,

@@ -129,3 +129,23 @@ def from_pairs(box: Sequence[Sequence[int]]) -> Box:
 
 def nbytes(box: Box, itemsize: int) -> int:
   return math.prod(s.stop - s.start for s in box) * itemsize
+
+
+def num_chunks(box: Box, chunk: Sequence[int]) -> int:
+  """Chunks of grid `chunk` that `box` (aligned to it) touches."""
+  return math.prod(-(-(s.stop - s.start) // max(1, c)) for s, c in zip(box, chunk))
+
+
+def contiguous(chunk: Sequence[int], box: Box) -> bool:
+  """Whether each chunk is one contiguous run of a C-order buffer of `box`.
+
+  True when the chunk is 1 along its leading axes, then partial along at
+  most one axis, then whole along the rest: TensorStore can then reference
+  the buffer instead of copying it into per-chunk buffers.
+  """
+  dims = [s.stop - s.start for s in box]
+  axes = [a for a in range(len(dims)) if chunk[a] < dims[a]]
+  if not axes:
+    return True
+  first = next((a for a in range(len(dims)) if min(chunk[a], dims[a]) > 1), len(dims))
+  return all(chunk[a] >= dims[a] for a in range(first + 1, len(dims)))

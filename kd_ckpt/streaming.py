@@ -123,19 +123,25 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
     with lim.lease(ctx.capacity_bytes):
       pipeline = _Pipeline(lim, group_bytes=max(ctx.slice_bytes, ctx.group_bytes),
                            stats=ctx.stats, progress=progress)
+      # The leaves' bookkeeping (Orbax's and TensorStore's, per leaf) lives
+      # for the whole save: admitted first, released last.
+      leaves = cost.leaves_charge(len(infos))
+      await pipeline.admit(leaves)
       try:
         if reuse_job is not None:
           await reuse_job(context)
         todo = [prepared[i] for i in write_idx]
         for start in range(0, len(todo), cost.OPEN_BATCH_LEAVES):
           await self._write_batch(todo[start:start + cost.OPEN_BATCH_LEAVES],
-                                  context, pipeline, lim)
+                                  context, pipeline)
         await pipeline.drain()
       except BaseException:
         # A failed write (e.g. disk full) must not leave others running: they
         # would re-create the temporary directory after the caller removed it.
         await pipeline.abort()
         raise
+      finally:
+        lim.release(leaves)
     hostmem.release_free_memory()
     if self._array_metadata_store is not None:
       await self._array_metadata_store.write(
@@ -179,21 +185,15 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
       await ts.open(ts.Spec(tspec), create=True, open=True, context=context)
     return await ts.open(ts.Spec(tspec), open=True, assume_metadata=True, context=context)
 
-  async def _write_batch(self, batch, context, pipeline: '_Pipeline',
-                         lim: limiter_lib.HostLimiter) -> None:
-    # The leaves' open TensorStores and specs are charged while they live.
-    meta = len(batch) * cost.PER_LEAF_BYTES
-    await pipeline.admit(meta)
-    try:
-      # Creating an array's metadata is a small OCDBT commit: do a batch at
-      # once rather than one per leaf between data writes.
-      stores = await asyncio.gather(*[self.open_store(p.tspec, context) for p in batch])
-      for p, t in zip(batch, stores):
-        await self._write_array(p, t, pipeline)
-      await pipeline.drain()
-      del stores
-    finally:
-      lim.release(meta)
+  async def _write_batch(self, batch, context, pipeline: '_Pipeline') -> None:
+    # Creating an array's metadata is a small OCDBT commit: do a batch at
+    # once rather than one per leaf between data writes.  Batches bound the
+    # open TensorStores (charged per leaf, `cost.PER_LEAF_BYTES`).
+    stores = await asyncio.gather(*[self.open_store(p.tspec, context) for p in batch])
+    for p, t in zip(batch, stores):
+      await self._write_array(p, t, pipeline)
+    await pipeline.drain()
+    del stores
 
   async def _write_array(self, p: '_Prepared', t: ts.TensorStore, pipeline: '_Pipeline') -> None:
     target_dtype = np.dtype(t.dtype.numpy_dtype)
@@ -217,7 +217,9 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
         src_box = tuple(slice(b.start + bb.start, b.start + bb.stop)
                         for b, bb in zip(base, box))
         nbytes = slicing.nbytes(box, p.itemsize)
-        charge = cost.staged_charge(nbytes)
+        charge = cost.staged_charge(
+            nbytes, chunks=slicing.num_chunks(box, p.chunk),
+            contiguous=slicing.contiguous(p.chunk, box))
         await pipeline.admit(charge)
         host = to_host(data, src_box)
         if host.dtype != target_dtype:

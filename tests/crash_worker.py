@@ -123,7 +123,7 @@ def _mid_slice() -> int:
   from kd_ckpt import slicing  # pylint: disable=g-import-not-at-top
 
   nbytes = budget.resolve(BUDGETS['streaming'], hostmem.probe())
-  slice_bytes = cost.streaming_layout(nbytes).slice_bytes
+  slice_bytes = cost.streaming_layout(nbytes, num_leaves=2).slice_bytes
   chunk = slicing.chunk_shape(BIG_SHAPE, 4, slice_bytes, global_shape=BIG_SHAPE)
   n = len(list(slicing.boxes(BIG_SHAPE, chunk, 4, slice_bytes)))
   if n < 3:

@@ -68,9 +68,60 @@ def one_replicated(total_bytes: int):
   return {'w': filled((total_bytes // 4 // 1024, 1024), NS(m1, P()))}
 
 
+def unseen(name: str, total_bytes: int):
+  """States whose shapes the cost constants were never fitted on (issue 11).
+
+  prime:        prime rows per shard (sharded over 8) and prime columns
+  prime_rep:    one replicated leaf of prime dims
+  mesh2d_prime: a 4x2 mesh, prime extents per shard on both axes
+  many_small:   2,000 small leaves of mixed dtypes (plus one big one)
+  mixed_dtypes: bf16 / int8 / f32 / bool leaves on several layouts
+  """
+  m1, m2 = meshes()
+  if name == 'prime':
+    cols = 1031
+    rows = _prime_below(max(3, total_bytes // 4 // cols // 8)) * 8  # prime rows per shard
+    return {'w': filled((rows, cols), NS(m1, P('x')))}
+  if name == 'prime_rep':
+    cols = 1031
+    rows = _prime_below(max(3, total_bytes // 4 // cols))
+    return {'w': filled((rows, cols), NS(m1, P()))}
+  if name == 'mesh2d_prime':
+    b = 521
+    a = _prime_below(max(3, total_bytes // 4 // 8 // b))
+    return {'g': filled((4 * a, 2 * b), NS(m2, P('a', 'b')))}
+  if name == 'many_small':
+    dts = [jnp.float32, jnp.bfloat16, jnp.int8, jnp.float32]
+    tree = {f's{i:04d}': filled((127, 31), NS(m1, P()), dts[i % 4], i) for i in range(2000)}
+    rest = max(0, total_bytes - 2000 * 127 * 31 * 3)
+    tree['big'] = filled((max(8, rest // 4 // 1024 // 8 * 8), 1024), NS(m1, P('x')))
+    return tree
+  if name == 'mixed_dtypes':
+    q = total_bytes // 4
+    return {
+        'bf16': filled((q // 2 // 1024 // 8 * 8, 1024), NS(m2, P('a', 'b')), jnp.bfloat16, 1),
+        'i8': filled((q // 1024 // 8 * 8, 1024), NS(m1, P()), jnp.int8, 2),
+        'f32': filled((q // 4 // 1018, 1018), NS(m2, P(None, None)), jnp.float32, 3),
+        'mask': jax.device_put(np.arange(q // 8) % 3 == 0, NS(m1, P('x'))),
+    }
+  raise KeyError(name)
+
+
+def _prime_below(n: int) -> int:
+  n = max(3, n)
+  while any(n % p == 0 for p in range(2, int(n ** 0.5) + 1)):
+    n -= 1
+  return n
+
+
+UNSEEN = ('prime', 'prime_rep', 'mesh2d_prime', 'many_small', 'mixed_dtypes')
+
+
 def make_state(name: str, total_bytes: int):
   if name == 'one_replicated':
     return one_replicated(total_bytes)
+  if name in UNSEEN:
+    return unseen(name, total_bytes)
   return layout(name, total_bytes)
 
 
@@ -90,22 +141,48 @@ def run_worker(*args: str, timeout: int = 600) -> dict:
 
 
 def _worker(argv):
-  """save DIR STATE TOTAL_BYTES STRATEGY BUDGET | orbax DIR STATE TOTAL_BYTES"""
+  """MODE DIR STATE TOTAL_BYTES [ARGS]: one measured operation, JSON on stdout.
+
+    save    STRATEGY BUDGET  kd_ckpt.save
+    ckpt    STRATEGY BUDGET  SafeCheckpointer.save (async when the plan is
+                             Orbax's) + wait; also the peak over the whole save
+    orbax                    Orbax's default async save (StandardCheckpointer)
+    stock                    the same, unmeasured (a checkpoint to restore)
+    restore BUDGET [VIA]     kd_ckpt.restore (VIA=ckpt: SafeCheckpointer.restore
+                             of a `ckpt` save); peak and the restored bytes
+  """
   import kd_ckpt  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import budget as budget_lib  # pylint: disable=g-import-not-at-top
   from kd_ckpt import hostmem  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
   mode, directory, state, total = argv[0], argv[1], argv[2], int(argv[3])
   tree = make_state(state, total)
   jax.block_until_ready(tree)
+  as_budget = lambda b: int(b) if b.isdigit() else b
   if mode == 'save':
-    strategy, budget = argv[4], argv[5]
-    budget = int(budget) if budget.isdigit() else budget
-    r = kd_ckpt.save(directory, tree, host_ram_budget=budget, strategy=strategy)
+    r = kd_ckpt.save(directory, tree, host_ram_budget=as_budget(argv[5]), strategy=argv[4])
     out = r.to_json_dict()
-  elif mode == 'orbax':
-    # Orbax's default save of the same tree, measured the same way.
-    plan = kd_ckpt.plan_save(tree, host_ram_budget=1 << 40, strategy='orbax')
+  elif mode == 'ckpt':
+    from kauldron import kd  # pylint: disable=g-import-not-at-top
+    import flax  # pylint: disable=g-import-not-at-top
+
+    @flax.struct.dataclass
+    class State(kd.ckpts.items.StandardCheckpointItem):
+      params: dict
+
+    ckpt = kd_ckpt.SafeCheckpointer(workdir=directory, save_interval_steps=1,
+                                    host_ram_budget=as_budget(argv[5]), strategy=argv[4])
+    item = State(params=tree)
+    ckpt.save(item, step=0)  # warm-up (imports, thread pools), as in training
+    ckpt.wait_until_finished()
+    hostmem.release_free_memory()
+    with hostmem.PeakRss() as whole:
+      ckpt.save(item, step=1)
+      ckpt.wait_until_finished()
+    out = ckpt.reports[-1].to_json_dict()
+    out['whole_save_peak_extra_bytes'] = whole.extra_bytes
+  elif mode in ('orbax', 'stock'):
     hostmem.release_free_memory()
     with hostmem.PeakRss() as peak:
       start = time.monotonic()
@@ -113,25 +190,35 @@ def _worker(argv):
       ckptr.save(directory, tree)
       ckptr.wait_until_finished()
       seconds = time.monotonic() - start
-    default = [c for c in plan.candidates if c.name == 'orbax async zstd'][0]
-    out = {'peak_extra_bytes': peak.extra_bytes, 'seconds': seconds,
-           'predicted_default_bytes': kd_ckpt.plan.estimate_lib.predict_orbax(
-               plan.estimate, use_replica_parallel=True,
-               enable_pinned_host_transfer=False, use_compression=True).peak_bytes,
-           'chosen_candidate_bytes': default.predicted_peak_bytes}
+    out = {'peak_extra_bytes': peak.extra_bytes, 'seconds': seconds}
   elif mode == 'restore':
-    budget = argv[4]
+    budget = as_budget(argv[4])
+    via = argv[5] if len(argv) > 5 else 'api'
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
     # On CPU every device buffer of the restored arrays is host RAM.
     restored_bytes = sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards)
     del tree
     hostmem.release_free_memory()
-    with hostmem.PeakRss() as peak:
-      back = kd_ckpt.restore(directory, abstract, host_ram_budget=budget)
-      jax.block_until_ready(back)
+    if via == 'ckpt':
+      from kauldron import kd  # pylint: disable=g-import-not-at-top
+      import flax  # pylint: disable=g-import-not-at-top
+
+      @flax.struct.dataclass
+      class State(kd.ckpts.items.StandardCheckpointItem):  # pylint: disable=function-redefined
+        params: dict
+
+      ckpt = kd_ckpt.SafeCheckpointer(workdir=directory, save_interval_steps=1,
+                                      host_ram_budget=budget)
+      with hostmem.PeakRss() as peak:
+        back = ckpt.restore(State(params=abstract), step=1, donate=False)
+        jax.block_until_ready(back)
+    else:
+      with hostmem.PeakRss() as peak:
+        back = kd_ckpt.restore(directory, abstract, host_ram_budget=budget)
+        jax.block_until_ready(back)
     out = {'peak_extra_bytes': peak.extra_bytes, 'restored_bytes': restored_bytes,
-           'budget_bytes': kd_ckpt.budget.resolve(budget, hostmem.probe())}
+           'budget_bytes': budget_lib.resolve(budget, hostmem.probe())}
   else:
     raise SystemExit(f'unknown mode {mode!r}')
   print(json.dumps(out))
