@@ -22,6 +22,10 @@ Flags (`ConfigArgs`, set with `--cfg.__args__.<name>=<value>`):
   host's available RAM, see `kd_ckpt.AUTO_FRACTION`).
 * `strategy='streaming'` (or `'orbax'`): force a save strategy (default
   `'auto'`: the fastest that fits the budget).
+* `reuse_unchanged=False`: write every leaf at every save.  By default (True)
+  a save takes the frozen Gemma weights, unchanged since the previous
+  checkpoint, by reference (hard links) and writes only the LoRA weights and
+  their optimizer state; every checkpoint stays a complete Orbax checkpoint.
 * `tiny=True`: a dummy Gemma and synthetic pre-tokenized data, 4 steps, a
   checkpoint every 2 steps; runs offline on CPU in seconds:
 
@@ -65,12 +69,15 @@ class ConfigArgs:
     host_ram_budget: extra host RAM a save may add ("auto", "16GiB", bytes,
       or a fraction of the available RAM in (0, 1]).
     strategy: "auto", "orbax" or "streaming".
+    reuse_unchanged: reuse the leaves that did not change since the previous
+      checkpoint (the frozen weights) instead of writing them again.
     tiny: dummy Gemma + synthetic tokens, 4 steps, a save every 2 (offline).
   """
 
   safe_ckpt: bool = True
   host_ram_budget: str | float = "auto"
   strategy: str = "auto"
+  reuse_unchanged: bool = True
   tiny: bool = False
 
 
@@ -175,6 +182,7 @@ def _make_checkpointer(args: ConfigArgs, save_interval_steps: int):
         save_interval_steps=save_interval_steps,
         host_ram_budget=args.host_ram_budget,
         strategy=args.strategy,
+        reuse_unchanged=args.reuse_unchanged,
     )
   return kd.ckpts.Checkpointer(save_interval_steps=save_interval_steps)
 

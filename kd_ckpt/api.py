@@ -37,6 +37,7 @@ def save(
     host_ram_budget: budget_lib.BudgetLike = 'auto',
     strategy: str = 'auto',
     reuse_from: str | os.PathLike[str] | None = None,
+    fingerprint: bool = False,
 ) -> report_lib.SaveReport:
   """Saves `tree` to `directory` within a host-RAM budget; blocks until durable.
 
@@ -49,7 +50,12 @@ def save(
     strategy: 'auto', 'orbax' or 'streaming'.
     reuse_from: a previous kd_ckpt checkpoint of the same tree: leaves whose
       bytes did not change are not copied or written again but referenced
-      (hard links); the new checkpoint stays complete on its own.
+      (hard links); the new checkpoint stays complete on its own.  That
+      checkpoint must have been saved with `fingerprint=True` or `reuse_from`;
+      otherwise (or on another filesystem) everything is written, and the log
+      says why.
+    fingerprint: record each leaf's fingerprint, so a later save can reuse
+      this one (implied by `reuse_from`).
 
   Returns:
     A SaveReport with the measured peak extra RSS.
@@ -71,7 +77,8 @@ def save(
         ' one per step) or delete the old one first.')
   s = session_lib.MeasuredSave(
       path, {'default': tree}, host_ram_budget=host_ram_budget, strategy=strategy,
-      reuse_from={'default': reuse_from} if reuse_from is not None else None)
+      reuse_from={'default': reuse_from} if reuse_from is not None else None,
+      fingerprint=fingerprint)
   s.check_disk()
   path.parent.mkdir(parents=True, exist_ok=True)
   checkpointer = ocp.Checkpointer(handler_lib.SafePyTreeHandler())

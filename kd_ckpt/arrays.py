@@ -77,6 +77,8 @@ class SaveContext:
     checksums: the CRC32C collector of this save (None: no checksums).
     stats: counters the report reads.
     reuse: the previous checkpoint to reuse unchanged leaves from, or None.
+    fingerprints: collects every leaf's fingerprint for the next save's reuse
+      (None: reuse off, nothing hashed).
     progress_total_bytes: bytes to write, for the progress lines (0: silent).
     limiter: the process's host limiter.
   """
@@ -87,6 +89,7 @@ class SaveContext:
   checksums: integrity.Checksums | None = None
   stats: SaveStats = dataclasses.field(default_factory=SaveStats)
   reuse: Any = None  # reuse.Source
+  fingerprints: Any = None  # reuse.Fingerprints
   progress_total_bytes: int = 0
   limiter: limiter_lib.HostLimiter = dataclasses.field(
       default_factory=limiter_lib.process_limiter)
@@ -142,12 +145,18 @@ class KdArrayHandler(ocp.type_handlers.ArrayHandler):
       arrays.append(v)
     return arrays, ext
 
+  def target_subdir(self) -> int | str | None:
+    """The OCDBT database this handler writes: None for the root, else the process's."""
+    raise NotImplementedError
+
   async def split_reused(self, arrays, infos, args):
-    """(indices to write, reuse coroutine or None): unchanged leaves are not written."""
+    """(indices to write, reuse job or None): unchanged leaves are not written."""
     ctx = self._save_ctx
-    if ctx.reuse is None:
+    if ctx.fingerprints is None:
       return list(range(len(arrays))), None
-    return await ctx.reuse.split(self, arrays, infos, args)
+    from kd_ckpt import reuse  # pylint: disable=g-import-not-at-top
+    del args
+    return await reuse.split(self, arrays, infos, ctx)
 
   def note_written(self) -> None:
     self._save_ctx.stats.handler_ran = True

@@ -161,6 +161,12 @@ def _mix(dtype: np.dtype, glob: Box, lanes: np.ndarray) -> int:
   return int.from_bytes(h.digest(), 'little')
 
 
+def fingerprint_many(leaves: Sequence[Sequence[Piece]]) -> list[str]:
+  """`fingerprint_boxes` of several leaves, all dispatched before any is read."""
+  pending = [_dispatch(pieces) for pieces in leaves]
+  return [_collect(p) for p in pending]
+
+
 def fingerprint_boxes(pieces: Sequence[Piece]) -> str:
   """128-bit fingerprint (32 hex chars) of boxes of single-device arrays.
 
@@ -174,6 +180,10 @@ def fingerprint_boxes(pieces: Sequence[Piece]) -> str:
     Lowercase hex; depends on every region's bytes, each element's position,
     the global boxes and the dtype, but not on the order of `pieces`.
   """
+  return _collect(_dispatch(pieces))
+
+
+def _dispatch(pieces: Sequence[Piece]) -> list:
   pending = []  # Dispatch everything first: devices work in parallel.
   for array, src, glob in pieces:
     if jax.dtypes.issubdtype(array.dtype, jax.dtypes.prng_key):
@@ -191,6 +201,10 @@ def fingerprint_boxes(pieces: Sequence[Piece]) -> str:
         lanes = _lane_sums(array, starts, sub_sizes)
         lanes.copy_to_host_async()
       pending.append((array.dtype, sub_glob, lanes))
+  return pending
+
+
+def _collect(pending: list) -> str:
   total = sum(_mix(dtype, glob, np.asarray(lanes))
               for dtype, glob, lanes in pending)
   return f'{total % 2**128:032x}'

@@ -188,10 +188,14 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     target = directory.path if hasattr(directory, 'path') else directory
     on_commit = getattr(args, 'on_commit', None)
 
+    fps = ctx.fingerprints
+
     def finish():
       # Runs once every write of this item is durable, before Orbax's rename.
       if sums is not None:
         sums.write(target, jax.process_index())
+      if fps is not None:
+        fps.write(target, jax.process_index())
       if on_commit is not None:
         on_commit()
 

@@ -131,6 +131,13 @@ class Checksums:
     arr = np.asarray(value)
     self.add(name, tuple((0, int(n)) for n in arr.shape), arr, path=path)
 
+  def add_record(self, rec: 'LeafRecord') -> None:
+    """Carries over another save's records of a leaf whose bytes are the same."""
+    with self._lock:
+      mine = self.leaves.setdefault(rec.name, LeafRecord(
+          name=rec.name, path=rec.path, shape=rec.shape, dtype=rec.dtype))
+      mine.boxes.extend(rec.boxes)
+
   def to_json_dict(self) -> dict[str, Any]:
     with self._lock:
       return {
@@ -155,10 +162,17 @@ def has_checksums(directory: epath.PathLike) -> bool:
   return bool(_files(directory))
 
 
-def read(directory: epath.PathLike) -> dict[str, LeafRecord]:
+def read_process(directory: epath.PathLike, process_index: int) -> dict[str, LeafRecord]:
+  """One process's records in `directory` ({} if it has none)."""
+  return read(directory, only=file_name(process_index))
+
+
+def read(directory: epath.PathLike, only: str | None = None) -> dict[str, LeafRecord]:
   """All processes' records in `directory`, merged by array name."""
   out: dict[str, LeafRecord] = {}
   for f in _files(directory):
+    if only is not None and f.name != only:
+      continue
     data = json.loads(f.read_text())
     if data.get('format') != FORMAT:
       raise ValueError(f'{f}: unknown checksum format {data.get("format")!r}; expected {FORMAT!r}.')

@@ -24,11 +24,15 @@ import orbax.checkpoint as ocp
 
 from kd_ckpt import arrays as arrays_lib
 from kd_ckpt import compat
+from kd_ckpt import reuse
 from kd_ckpt import slicing
 
 
 class OrbaxArrayHandler(arrays_lib.KdArrayHandler):
   """Orbax's ArrayHandler save path, plus CRC32C of its host copies."""
+
+  def target_subdir(self):
+    return compat.orbax.process_subdir(True)  # Orbax writes per process, always
 
   async def serialize(self, values: Sequence[jax.Array], infos, args=None):
     args = args or [ocp.type_handlers.SaveArgs()] * len(values)
@@ -65,7 +69,8 @@ class OrbaxArrayHandler(arrays_lib.KdArrayHandler):
     async def write():
       await asyncio.gather(*[info.await_path_creation() for info in infos])
       if reuse_job is not None:
-        await reuse_job(w_infos[0].ts_context if w_infos else infos[0].ts_context)
+        await reuse_job(infos[0].ts_context, reuse.kvstore_of(
+            self._write_spec(arrays[0], infos[0], args[0], ext).json))
       if w_arrays:
         await compat.async_replica_slice_writer(
             host, w_infos, w_args, primary_host=primary, metadata_key=metadata_key,

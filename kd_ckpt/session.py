@@ -59,6 +59,7 @@ class MeasuredSave:
                strategy: str = 'auto',
                item_dirs: dict[str, Any] | None = None,
                reuse_from: dict[str, Any] | None = None,
+               fingerprint: bool = False,
                label: str = ''):
     self.directory = epath.Path(directory)
     self.items = dict(items)
@@ -68,12 +69,16 @@ class MeasuredSave:
     self.plan = plan_lib.plan_save(tree, host_ram_budget=host_ram_budget, strategy=strategy)
     self.stats = arrays_lib.SaveStats()
     self._contexts = {}
+    # Reuse (or `fingerprint`): every leaf's fingerprint is recorded, so the
+    # next save can reuse what this one wrote.
+    fingerprint = fingerprint or reuse_from is not None
     for name in self.items:
       source = None
-      if reuse_from and reuse_from.get(name) is not None:
-        source = reuse_lib.Source.open(reuse_from[name], label=f'{self.label}/{name}')
+      if reuse_from is not None:
+        source = reuse_lib.Source.open(reuse_from.get(name), label=self.label)
       self._contexts[name] = handler_lib.context_for(
           self.plan, checksums=integrity.collector(), stats=self.stats, reuse=source,
+          fingerprints=reuse_lib.Fingerprints() if fingerprint else None,
           progress_total_bytes=self.plan.total_bytes)
     self._peak = hostmem.PeakRss()
     self._lock = threading.Lock()

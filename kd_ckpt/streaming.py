@@ -44,6 +44,7 @@ from kd_ckpt import compat
 from kd_ckpt import cost
 from kd_ckpt import hostmem
 from kd_ckpt import limiter as limiter_lib
+from kd_ckpt import reuse
 from kd_ckpt import slicing
 
 
@@ -99,6 +100,9 @@ def ocdbt_subdir(use_ocdbt: bool) -> int | str | None:
 class StreamingArrayHandler(arrays_lib.KdArrayHandler):
   """An Orbax ArrayHandler that writes inside the host limiter."""
 
+  def target_subdir(self):
+    return ocdbt_subdir(True)
+
   async def serialize(self, values: Sequence[jax.Array], infos, args=None):
     args = args or [ocp.type_handlers.SaveArgs()] * len(values)
     ocp.type_handlers.check_input_arguments(values, infos, args)
@@ -129,7 +133,7 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
       await pipeline.admit(leaves)
       try:
         if reuse_job is not None:
-          await reuse_job(context)
+          await reuse_job(context, reuse.kvstore_of(prepared[0].tspec))
         todo = [prepared[i] for i in write_idx]
         for start in range(0, len(todo), cost.OPEN_BATCH_LEAVES):
           await self._write_batch(todo[start:start + cost.OPEN_BATCH_LEAVES],

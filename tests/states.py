@@ -91,8 +91,13 @@ def unseen(name: str, total_bytes: int):
     a = _prime_below(max(3, total_bytes // 4 // 8 // b))
     return {'g': filled((4 * a, 2 * b), NS(m2, P('a', 'b')))}
   if name == 'many_small':
-    dts = [jnp.float32, jnp.bfloat16, jnp.int8, jnp.float32]
-    tree = {f's{i:04d}': filled((127, 31), NS(m1, P()), dts[i % 4], i) for i in range(2000)}
+    # Made on the host and put on the devices: 2,000 compiled fills would
+    # take a minute.
+    dts = [np.float32, jnp.bfloat16, np.int8, np.float32]
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal((127, 31)).astype(np.float32) * 50
+    tree = {f's{i:04d}': jax.device_put((base + i).astype(dts[i % 4]), NS(m1, P()))
+            for i in range(2000)}
     rest = max(0, total_bytes - 2000 * 127 * 31 * 3)
     tree['big'] = filled((max(8, rest // 4 // 1024 // 8 * 8), 1024), NS(m1, P('x')))
     return tree

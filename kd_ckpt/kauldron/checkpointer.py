@@ -171,7 +171,7 @@ class SafeCheckpointer(kd.ckpts.Checkpointer):
     step_dir = self._step_dir(step)
     reuse_from = None
     if self.reuse_unchanged:
-      earlier = [s for s in self.all_steps() if s < step]
+      earlier = [s for s in self.all_steps if s < step]
       prev = self._step_dir(max(earlier)) if earlier else None
       reuse_from = {k: (prev / k if prev is not None else None) for k in items}
     s = session_lib.MeasuredSave(

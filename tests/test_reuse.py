@@ -1,0 +1,241 @@
+"""Reuse of unchanged leaves (issue 13): nothing changed is written twice,
+every checkpoint stays complete and independent, a changed leaf is never reused."""
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import flax
+import jax
+import jax.numpy as jnp
+from kauldron import kd
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import kd_ckpt
+from kd_ckpt import reuse
+from kd_ckpt import verifying
+from tests import states
+
+P, NS = states.P, states.NS
+MiB = states.MiB
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _frozen():
+  m1, m2 = states.meshes()
+  return {'embed': states.filled((2048, 1024), NS(m1, P('x'))),            # 8 MiB sharded
+          'proj': states.filled((1024, 1024), NS(m1, P()), jnp.bfloat16, 1),  # replicated
+          'grid': states.filled((512, 256), NS(m2, P('a', 'b')), seed=2),
+          'bias': jnp.arange(10, dtype=jnp.float32)}
+
+
+def _trainable(step):
+  m1, _ = states.meshes()
+  return {'lora': states.filled((256, 64), NS(m1, P('x')), seed=100 + step),
+          'mu': states.filled((256, 64), NS(m1, P('x')), seed=200 + step),
+          'count': jnp.int32(step)}
+
+
+def _tree(frozen, step):
+  return {'frozen': frozen, 'opt': _trainable(step)}
+
+
+def _assert_same(a, b):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    assert np.asarray(x).dtype == np.asarray(y).dtype
+    assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+
+
+def _stock_restore_without_kd_ckpt(directory, like):
+  """Restores in a fresh process where `import kd_ckpt` fails."""
+  block = pathlib.Path(directory).parent / 'block_kd'
+  block.mkdir(exist_ok=True)
+  (block / 'sitecustomize.py').write_text(
+      'import importlib.abc, sys\n'
+      'class _B(importlib.abc.MetaPathFinder):\n'
+      '  def find_spec(self, name, path=None, target=None):\n'
+      "    if name.split('.')[0] == 'kd_ckpt':\n"
+      "      raise ModuleNotFoundError('kd_ckpt blocked', name=name)\n"
+      'sys.meta_path.insert(0, _B())\n')
+  out = pathlib.Path(directory).parent / 'restored.npz'
+  script = (
+      'import sys, numpy as np, orbax.checkpoint as ocp, jax\n'
+      'try:\n  import kd_ckpt\n  raise SystemExit("kd_ckpt importable")\n'
+      'except ModuleNotFoundError:\n  pass\n'
+      'back = ocp.StandardCheckpointer().restore(sys.argv[1])\n'
+      'flat = {jax.tree_util.keystr(p): np.asarray(x) for p, x in'
+      ' jax.tree_util.tree_flatten_with_path(back)[0]}\n'
+      'np.savez(sys.argv[2], **{k: np.frombuffer(v.tobytes(), np.uint8) for k, v in flat.items()})\n')
+  env = dict(os.environ, PYTHONPATH=str(block), JAX_PLATFORMS='cpu',
+             XLA_FLAGS='--xla_force_host_platform_device_count=8')
+  proc = subprocess.run([sys.executable, '-c', script, str(directory), str(out)],
+                        capture_output=True, text=True, env=env, timeout=300, cwd='/')
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  got = dict(np.load(out))
+  want = {jax.tree_util.keystr(p): np.frombuffer(np.asarray(x).tobytes(), np.uint8) for p, x in
+          jax.tree_util.tree_flatten_with_path(like)[0]}
+  assert got.keys() == want.keys()
+  for k in want:
+    assert got[k].tobytes() == want[k].tobytes(), k
+
+
+@pytest.mark.parametrize('strategy', ['streaming', 'orbax'])
+def test_unchanged_leaves_are_reused_and_every_checkpoint_stays_complete(tmp_path, strategy):
+  frozen = _frozen()
+  frozen_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(frozen))
+  reports = []
+  for step in range(4):
+    prev = tmp_path / str(step - 1) if step else None
+    reports.append(kd_ckpt.save(tmp_path / str(step), _tree(frozen, step),
+                                host_ram_budget='64MiB', strategy=strategy,
+                                fingerprint=True, reuse_from=prev))
+  assert reports[0].bytes_reused == 0
+  for r in reports[1:]:
+    assert r.leaves_reused == 4 and r.bytes_reused == frozen_bytes, str(r)
+    assert r.bytes_written == 2 * 256 * 64 * 4 + 4, str(r)  # only what changed
+  # Delete every earlier checkpoint: the last one is complete on its own.
+  for step in range(3):
+    shutil.rmtree(tmp_path / str(step))
+  last = _tree(frozen, 3)
+  _assert_same(kd_ckpt.restore(tmp_path / '3', jax.eval_shape(lambda: last)), last)
+  _stock_restore_without_kd_ckpt(tmp_path / '3', last)
+  check = kd_ckpt.verify(tmp_path / '3')
+  assert check.ok and not check.unchecked, str(check)
+  # Only the files the checkpoint uses were kept (`reuse.prune`).
+  assert reuse.referenced_files(tmp_path / '3') >= {
+      os.path.relpath(os.path.join(r, f), tmp_path / '3')
+      for r, _, fs in os.walk(tmp_path / '3') for f in fs
+      if reuse.LINK_DIR in r and f != 'manifest.ocdbt'}
+
+
+def test_a_single_changed_element_is_never_reused(tmp_path):
+  m1, _ = states.meshes()
+  big = states.filled((4096, 1024), NS(m1, P('x')))  # 16 MiB, fingerprinted on device
+  kd_ckpt.save(tmp_path / '0', {'w': big}, host_ram_budget='64MiB', fingerprint=True)
+  changed = big.at[2047, 511].add(1e-3)  # one element, mid-array, in one shard
+  assert int((np.asarray(changed) != np.asarray(big)).sum()) == 1
+  r = kd_ckpt.save(tmp_path / '1', {'w': changed}, host_ram_budget='64MiB',
+                   reuse_from=tmp_path / '0')
+  assert r.leaves_reused == 0 and r.bytes_reused == 0, str(r)
+  back = kd_ckpt.restore(tmp_path / '1', {'w': jax.ShapeDtypeStruct(big.shape, big.dtype)})
+  np.testing.assert_array_equal(np.asarray(back['w']), np.asarray(changed))
+  # ... while the unchanged array is.
+  r = kd_ckpt.save(tmp_path / '2', {'w': changed}, host_ram_budget='64MiB',
+                   reuse_from=tmp_path / '1')
+  assert r.leaves_reused == 1 and r.bytes_written == 0, str(r)
+
+
+def test_changed_sharding_or_dtype_is_written(tmp_path):
+  m1, m2 = states.meshes()
+  w = states.filled((1024, 1024), NS(m1, P('x')))
+  kd_ckpt.save(tmp_path / '0', {'w': w, 'b': w.astype(jnp.bfloat16)}, fingerprint=True)
+  resharded = jax.device_put(w, NS(m2, P('a', 'b')))
+  r = kd_ckpt.save(tmp_path / '1', {'w': resharded, 'b': w.astype(jnp.float32)},
+                   reuse_from=tmp_path / '0')
+  assert r.leaves_reused == 0, str(r)
+  back = kd_ckpt.restore(tmp_path / '1')
+  np.testing.assert_array_equal(np.asarray(back['w']), np.asarray(w))
+
+
+def test_falls_back_where_hard_links_fail(tmp_path, caplog):
+  """Previous checkpoint on another filesystem (a tmpfs): full write, and why."""
+  fs = tmp_path / 'fs'
+  fs.mkdir()
+  r = subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=64m', 'tmpfs', str(fs)],
+                     capture_output=True, text=True)
+  if r.returncode:
+    pytest.skip(f'cannot mount a tmpfs here: {r.stderr.strip()}')
+  try:
+    tree = _tree(_frozen(), 0)
+    kd_ckpt.save(fs / 'prev', tree, host_ram_budget='64MiB', fingerprint=True)
+    caplog.set_level('INFO')
+    r = kd_ckpt.save(tmp_path / 'next', tree, host_ram_budget='64MiB', reuse_from=fs / 'prev')
+    assert r.leaves_reused == 0 and r.bytes_written == r.bytes_written > 0
+    assert 'cannot hard-link' in caplog.text
+    _assert_same(kd_ckpt.restore(tmp_path / 'next', jax.eval_shape(lambda: tree)), tree)
+  finally:
+    subprocess.run(['umount', '-l', str(fs)], check=False)
+
+
+def test_no_fingerprints_in_the_previous_checkpoint_falls_back(tmp_path, caplog):
+  tree = _tree(_frozen(), 0)
+  kd_ckpt.save(tmp_path / '0', tree)  # no fingerprints
+  caplog.set_level('INFO')
+  r = kd_ckpt.save(tmp_path / '1', tree, reuse_from=tmp_path / '0')
+  assert r.leaves_reused == 0 and 'no kd_ckpt fingerprints' in caplog.text
+  r = kd_ckpt.save(tmp_path / '2', tree, reuse_from=tmp_path / '1')  # 1 recorded them
+  assert r.leaves_reused == 7
+
+
+def test_deleting_a_checkpoint_never_changes_another(tmp_path):
+  frozen = _frozen()
+  for step in range(3):
+    kd_ckpt.save(tmp_path / str(step), _tree(frozen, step), fingerprint=True,
+                 reuse_from=tmp_path / str(step - 1) if step else None)
+  def snapshot(d):
+    return {os.path.relpath(os.path.join(r, f), d): open(os.path.join(r, f), 'rb').read()
+            for r, _, fs in os.walk(d) for f in fs}
+  before = {s: snapshot(tmp_path / str(s)) for s in (0, 2)}
+  shutil.rmtree(tmp_path / '1')
+  assert {s: snapshot(tmp_path / str(s)) for s in (0, 2)} == before
+  for s in (0, 2):
+    assert kd_ckpt.verify(tmp_path / str(s)).ok
+    _assert_same(kd_ckpt.restore(tmp_path / str(s)), kd_ckpt.restore(tmp_path / str(s)))
+
+
+def test_reused_leaves_are_covered_by_verify(tmp_path):
+  frozen = _frozen()
+  kd_ckpt.save(tmp_path / '0', _tree(frozen, 0), fingerprint=True)
+  kd_ckpt.save(tmp_path / '1', _tree(frozen, 1), reuse_from=tmp_path / '0')
+  report = kd_ckpt.verify(tmp_path / '1')
+  checked = {l.path: l.checked_bytes for l in report.leaves}
+  assert checked['frozen.embed'] == 2048 * 1024 * 4 and report.ok
+  # The bytes are shared: corrupting them shows in both checkpoints.
+  data = max((p for p in (tmp_path / '0').rglob('*') if '/d/' in p.as_posix()),
+             key=lambda p: p.stat().st_size)
+  raw = bytearray(data.read_bytes())
+  raw[len(raw) // 2] ^= 0xFF
+  data.write_bytes(bytes(raw))
+  bad = [{l.path for l in kd_ckpt.verify(tmp_path / d).bad} for d in ('0', '1')]
+  assert len(bad[0]) == 1 and bad[0] == bad[1] and bad[0] < set(
+      f'frozen.{k}' for k in frozen), bad
+
+
+@flax.struct.dataclass
+class _State(kd.ckpts.items.StandardCheckpointItem):
+  params: dict
+
+
+@pytest.mark.slow
+def test_safe_checkpointer_reuse_with_max_to_keep(tmp_path):
+  frozen = _frozen()
+  ckpt = kd_ckpt.SafeCheckpointer(workdir=str(tmp_path), save_interval_steps=1,
+                                  max_to_keep=2, host_ram_budget='64MiB',
+                                  reuse_unchanged=True)
+  for step in range(5):
+    assert ckpt.save(_State(params=_tree(frozen, step)), step=step)
+    ckpt.wait_until_finished()
+  assert list(ckpt.all_steps) == [3, 4]
+  assert [r.leaves_reused for r in ckpt.reports] == [0, 4, 4, 4, 4]
+  last = _State(params=_tree(frozen, 4))
+  _assert_same(ckpt.restore(last, step=4, donate=False).params, last.params)
+  # Stock Kauldron restores it too.
+  stock = kd.ckpts.Checkpointer(workdir=str(tmp_path), save_interval_steps=1)
+  _assert_same(stock.restore(_State(params=jax.eval_shape(lambda: last.params)), step=4).params,
+               last.params)
+  info = kd_ckpt.inspect(tmp_path / 'checkpoints' / 'ckpt_4')
+  assert info.report.leaves_reused == 4 and info.report.bytes_reused > 0
+  assert 'bytes reused' in str(info)
+
+
+def test_verify_reports_unchecked_when_checksums_cannot_be_taken(tmp_path, monkeypatch):
+  from kd_ckpt import integrity  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(integrity, 'google_crc32c', None)
+  kd_ckpt.save(tmp_path / 'c', {'w': jnp.ones((8,))})
+  monkeypatch.undo()
+  with pytest.raises(verifying.NoChecksumsError):
+    kd_ckpt.verify(tmp_path / 'c')
