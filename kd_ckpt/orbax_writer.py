@@ -63,14 +63,20 @@ class OrbaxArrayHandler(arrays_lib.KdArrayHandler):
                    path=info.name, shape=rslices.global_shape, dtype=rslices.dtype)
     stats = self.save_context.stats
     primary = self._primary_host
+    # What the background write needs of the arrays, taken now: the caller
+    # may donate them as soon as `save()` returns.
+    metadatas = ([self._write_spec(a, i, g, ext).metadata for a, i, g in zip(arrays, infos, args)]
+                 if reuse_job is not None else None)
+    kvstore_spec = (reuse.kvstore_of(self._write_spec(arrays[0], infos[0], args[0], ext).json)
+                    if reuse_job is not None else None)
+    shardings = [a.sharding for a in arrays]
     store = self._array_metadata_store
     metadata_key = self._metadata_key
 
     async def write():
       await asyncio.gather(*[info.await_path_creation() for info in infos])
       if reuse_job is not None:
-        await reuse_job(infos[0].ts_context, reuse.kvstore_of(
-            self._write_spec(arrays[0], infos[0], args[0], ext).json))
+        await reuse_job(infos[0].ts_context, kvstore_spec)
       if w_arrays:
         await compat.async_replica_slice_writer(
             host, w_infos, w_args, primary_host=primary, metadata_key=metadata_key,
@@ -79,17 +85,14 @@ class OrbaxArrayHandler(arrays_lib.KdArrayHandler):
         stats.add(sum(h.nbytes for h in host), sum(len(h.replica_slices) for h in host))
       if store is not None and reuse_job is not None:
         # Metadata of every leaf, reused ones included, as Orbax records it.
-        await store.write(
-            checkpoint_dir=infos[0].parent_dir,
-            array_metadatas=[self._write_spec(a, i, g, ext).metadata
-                             for a, i, g in zip(arrays, infos, args)],
-            process_index=jax.process_index())
+        await store.write(checkpoint_dir=infos[0].parent_dir, array_metadatas=metadatas,
+                          process_index=jax.process_index())
 
     futures = []
     if self._enable_write_sharding_file:
       futures.append(ocp.future.CommitFutureAwaitingContractedSignals(
           compat.orbax.serialize_shardings(
-              shardings=[a.sharding for a in arrays], infos=infos, primary_host=primary),
+              shardings=shardings, infos=infos, primary_host=primary),
           name='serialize_shardings'))
     futures.append(ocp.future.CommitFutureAwaitingContractedSignals(
         write(), name='array_type_handler'))

@@ -27,6 +27,9 @@ its own process):
            just before the atomic rename of `<step>.orbax-checkpoint-tmp` to
            `<step>` (the commit).
   renamed  just after that rename (the checkpoint is complete).
+  reuse    a reusing save (reuse_unchanged / reuse_from), after the previous
+           step's data files are hard-linked into the new one, before any
+           reference is copied.
 
 Exit status: -9 (SIGKILL) when the kill point was reached; otherwise 3
 (`save`) or kauldron.main's own (`train`).
@@ -87,6 +90,9 @@ def make_tree(step: int) -> dict[str, Any]:
       },
       'host': np.arange(1000, dtype=np.int32) * (step + 1),
       'step': jnp.asarray(step, jnp.int32),
+      # The same at every step: what a reusing save takes by reference.
+      'frozen': jax.device_put(
+          np.arange(512 * 1024, dtype=np.float32).reshape(512, 1024), ns(m1, p('x'))),
   }
 
 
@@ -97,11 +103,11 @@ class State(checkpoint_items.StandardCheckpointItem):
   tree: Any
 
 
-def checkpointer(workdir, strategy: str):
+def checkpointer(workdir, strategy: str, reuse: bool = False):
   import kd_ckpt  # pylint: disable=g-import-not-at-top
   return kd_ckpt.SafeCheckpointer(
       workdir=os.fspath(workdir), save_interval_steps=1,
-      host_ram_budget=BUDGETS[strategy], strategy=strategy)
+      host_ram_budget=BUDGETS[strategy], strategy=strategy, reuse_unchanged=reuse)
 
 
 # --- Kill points -----------------------------------------------------------
@@ -185,6 +191,16 @@ def _install(point: str, strategy: str) -> None:
         return await orig(*a, **k)
       return merge
     wrap(ocdbt_utils, 'merge_ocdbt_per_process_files', make)
+  elif point == 'reuse':
+    from kd_ckpt import reuse  # pylint: disable=g-import-not-at-top
+
+    def make(orig):
+      async def copy(*a, **k):  # the previous step's files linked, nothing copied
+        if _armed:
+          _die(point)
+        return await orig(*a, **k)
+      return copy
+    wrap(reuse, 'copy_leaves', make)
   elif point in ('rename', 'renamed'):
     def make(orig):
       async def rename(src, dst, *a, **k):
@@ -212,16 +228,19 @@ def _save(api: str, strategy: str, point: str, directory: str) -> None:
   import kd_ckpt  # pylint: disable=g-import-not-at-top
 
   _install(point, strategy)
+  reuse = point == 'reuse'
   if api == 'ckpt':
-    ckpt = checkpointer(directory, strategy)
+    ckpt = checkpointer(directory, strategy, reuse=reuse)
 
     def save(step, tree):
       ckpt.save(State(tree=tree), step=step)
       ckpt.wait_until_finished()
   elif api == 'api':
     def save(step, tree):
+      prev = os.path.join(directory, str(step - 1)) if reuse and step else None
       kd_ckpt.save(os.path.join(directory, str(step)), tree,
-                   host_ram_budget=BUDGETS[strategy], strategy=strategy)
+                   host_ram_budget=BUDGETS[strategy], strategy=strategy,
+                   fingerprint=reuse, reuse_from=prev)
   else:
     raise SystemExit(f'unknown api {api!r}')
   for step in range(KILLED_STEP + 1):

@@ -66,6 +66,8 @@ SCENARIOS = [
     ('ckpt', 'orbax', 'renamed'),
     ('api', 'streaming', 'write'),
     ('api', 'orbax', 'rename'),
+    ('ckpt', 'streaming', 'reuse'),
+    ('api', 'orbax', 'reuse'),
 ]
 
 

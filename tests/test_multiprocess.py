@@ -206,7 +206,7 @@ def _est(process_index: int) -> estimate_lib.TreeEstimate:
 
 def test_processes_agree_on_the_plan(monkeypatch):
   """Each process ranks by the busiest host, fits only where all fit."""
-  budget = 64 * MiB
+  budget = 96 * MiB
   sent = {}
 
   def exchange(me):

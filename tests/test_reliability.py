@@ -227,10 +227,11 @@ def test_ten_thousand_tiny_leaves(tmp_path, strategy, record_property):
   jax.block_until_ready(tree)
   d = tmp_path / 'ckpt'
   start = time.monotonic()
-  report = kd_ckpt.save(d, tree, host_ram_budget='256MiB', strategy=strategy)
+  # 10,000 leaves' bookkeeping alone is 234-313 MiB (cost.PER_LEAF_BYTES).
+  report = kd_ckpt.save(d, tree, host_ram_budget='512MiB', strategy=strategy)
   save_ms = (time.monotonic() - start) * 1e3 / len(tree)
   start = time.monotonic()
-  back = kd_ckpt.restore(d, _abstract(tree), host_ram_budget='256MiB')
+  back = kd_ckpt.restore(d, _abstract(tree), host_ram_budget='512MiB')
   restore_ms = (time.monotonic() - start) * 1e3 / len(tree)
   _assert_same(back, tree)
   assert report.peak_extra_bytes <= report.budget_bytes
