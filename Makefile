@@ -2,8 +2,9 @@
 #
 #   make test          unit + integration tests (pytest, ~6 min on 2 cores)
 #   make test-fast     without the slow/integration tests
-#   make demo          tiny Gemma LoRA through kauldron.main: train, resume,
-#                      show each save's kd_ckpt report
+#   make demo          stock Orbax vs kd_ckpt peaks side by side (plot), then a
+#                      tiny Gemma LoRA through kauldron.main: train (reusing the
+#                      frozen weights), resume, inspect and verify each save
 #   make plan          preflight of the full Gemma 3 4B LoRA config's saves
 #                      (PLAN_ARGS='--host-ram-budget=16GiB --json' to change)
 #   make bench         bench/run.py: 128 MiB grid + 512 MiB soaks (8 min on 2 busy cores)
@@ -86,6 +87,8 @@ plan: $(STAMP)
 # the workdir; only kd_ckpt's lines and the restore are shown.
 demo: $(STAMP)
 	@wd="$${DEMO_WORKDIR:-$$(mktemp -d -t kd_ckpt_demo.XXXXXX)}"; mkdir -p "$$wd"; \
+	echo "== 1/4 the point: one 512 MiB state saved by stock Orbax and by kd_ckpt (8 CPU devices)"; \
+	$(PY) examples/peak_demo.py --out "$$wd"; \
 	export XLA_FLAGS="--xla_force_host_platform_device_count=$(DEMO_DEVICES) $${XLA_FLAGS:-}"; \
 	run() { \
 	  local log="$$1"; shift; \
@@ -93,19 +96,20 @@ demo: $(STAMP)
 	      --cfg.__args__.tiny=True "$$@" >"$$log" 2>&1; then \
 	    tail -n 30 "$$log" | cut -c1-400; echo "FAILED, full log: $$log"; exit 1; \
 	  fi; \
-	  grep -E "\] (kd_ckpt step|Starting training loop)" "$$log" \
-	    | sed -E 's/^[IWE][0-9]{4} [0-9:.]+ +[0-9]+ [^]]+\] //' || true; \
+	  grep -E "\] (kd_ckpt step [0-9]+( saved|: writing)|Starting training loop)" "$$log" \
+	    | sed -E 's/^.*[IWE][0-9]{4} [0-9:.]+ +[0-9]+ [^]]+\] //' || true; \
 	}; \
-	echo "== 1/3 train 4 steps with kd_ckpt.SafeCheckpointer ($(DEMO_DEVICES) CPU devices), workdir $$wd"; \
+	echo; echo "== 2/4 tiny Gemma LoRA, 4 steps, kd_ckpt.SafeCheckpointer with reuse_unchanged:" \
+	  "from the second save on, only the LoRA weights and their optimizer state are written"; \
 	run "$$wd/train_1.log"; \
-	echo; echo "== 2/3 run again to step 8: resumes from the last checkpoint"; \
+	echo; echo "== 3/4 run again to step 8: resumes from the last checkpoint (a bounded restore)"; \
 	run "$$wd/train_2.log" --cfg.num_train_steps=8; \
-	echo; echo "== 3/3 the checkpoints (python -m kd_ckpt inspect DIR, then verify DIR: CRC32C of every leaf)"; \
+	echo; echo "== 4/4 the checkpoints (python -m kd_ckpt inspect DIR, then verify DIR: CRC32C of every leaf)"; \
 	for d in $$(ls -d "$$wd"/checkpoints/ckpt_* | sort -V); do \
 	  echo; $(PY) -m kd_ckpt inspect "$$d" | sed -n '/^$$/q;p'; \
 	  $(PY) -m kd_ckpt verify "$$d" 2>/dev/null | sed -n 1p; \
 	done; \
-	echo; echo "Workdir (logs, checkpoints): $$wd"
+	echo; echo "Workdir (logs, checkpoints, peak_demo.png): $$wd"
 
 constraints: $(STAMP)
 	@{ sed -n '/^#/p' constraints.txt; \
