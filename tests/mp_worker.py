@@ -263,6 +263,14 @@ def _restore(workdirs) -> dict:
           raise AssertionError(f'{workdir}: {label}: leaf {k!r} differs')
       del back
       done.append(f'{workdir}: {label}')
+    # One process verifies what two processes wrote: every leaf's CRC32C
+    # records (both processes') found and matching.
+    result = kd_ckpt.verify(item)
+    names = sorted(r.path for r in result.leaves)
+    assert names == sorted(f'params.{k}' for k in LEAVES), names
+    assert result.ok and all(r.status == 'ok' for r in result.leaves), str(result)
+    assert result.checked_bytes == sum(len(b) for b in expected.values()), str(result)
+    done.append(f'{workdir}: kd_ckpt.verify')
   return {'checked': done}
 
 

@@ -183,7 +183,7 @@ def test_replicated_leaves_are_split_between_processes(saves, strategy):
 def test_one_process_restores_on_another_mesh(saves, tmp_path):
   workdirs = [str(saves[s][0]) for s in STRATEGIES]
   (r,) = _run([['restore', *workdirs]], devices=8, log_dir=tmp_path / 'logs')
-  assert len(r['checked']) == 3 * len(workdirs)
+  assert len(r['checked']) == 4 * len(workdirs)
 
 
 # --- the processes agree on one plan (no processes needed) ---------------------
