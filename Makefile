@@ -1,14 +1,16 @@
 # kd_ckpt: JAX checkpoints that stay inside a host-RAM budget.
 #
-#   make test          unit + integration tests (pytest, ~6 min on 2 cores)
+#   make test          unit + integration tests (pytest, ~11 min on 2 cores)
 #   make test-fast     without the slow/integration tests
 #   make demo          stock Orbax vs kd_ckpt peaks side by side (plot), then a
 #                      tiny Gemma LoRA through kauldron.main: train (reusing the
 #                      frozen weights), resume, inspect and verify each save
 #   make plan          preflight of the full Gemma 3 4B LoRA config's saves
 #                      (PLAN_ARGS='--host-ram-budget=16GiB --json' to change)
-#   make bench         bench/run.py: 128 MiB grid + 512 MiB soaks (8 min on 2 busy cores)
-#   make bench-full    bench/run.py --full: 512 MiB grid, soaks one at a time (~20 min)
+#   make bench         bench/run.py: GB-scale rows (4 GB leaf, 2.2 GB Gemma-like),
+#                      128 MiB grid, 50-save soaks, 2 processes, reuse; ~10 min
+#                      on 2 cores; exits 1 if kd_ckpt misses a target
+#   make bench-full    bench/run.py --full: the same with the grid at 512 MiB
 #   make test-orbax-peer ORBAX_SRC=DIR   Orbax's own handler test suites, with
 #                      stock Orbax and with kd_ckpt plugged in (each strategy)
 #   make constraints   re-pin constraints.txt from the current .venv

@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import threading
 import time
@@ -156,6 +157,11 @@ class KdArrayHandler(ocp.type_handlers.ArrayHandler):
       return list(range(len(arrays))), None
     from kd_ckpt import reuse  # pylint: disable=g-import-not-at-top
     del args
+    # Reuse links files into this item's directory, which an async save
+    # creates in a background thread: wait for it, or Orbax's creator finds
+    # the links there and deletes them.
+    await directories_created()
+    await asyncio.gather(*[info.await_path_creation() for info in infos])
     return await reuse.split(self, arrays, infos, ctx)
 
   def note_written(self) -> None:
@@ -210,3 +216,25 @@ class Progress:
     self.next_fraction = frac + 1.0 / self.max_lines
     logging.info('kd_ckpt streaming save: %5.1f%% %s, %.2f GB/s', 100 * frac,
                  text.format_bytes(done_bytes), done_bytes / 1e9 / max(elapsed, 1e-9))
+
+
+async def directories_created() -> None:
+  """Waits until Orbax has created this save's temporary directories.
+
+  An async Orbax save (`CheckpointManager`, hence Kauldron) creates the
+  step's and items' `*.orbax-checkpoint-tmp` directories in a background
+  thread and hands the handler their paths before they exist.  Stock handlers
+  write later, in commit futures that first wait for the directory-creation
+  signals of the save's contract.  We write during `serialize`, so we wait for
+  the same signals first (as Orbax's composite handler does for blocking
+  items).  Without this, TensorStore creates the directory first, and Orbax's
+  creator then finds it, deletes it with the arrays already written, and the
+  save fails or hangs.  A synchronous save (`kd_ckpt.save`) has no such
+  signals: this returns at once.
+  """
+  operation_id = compat.orbax.current_operation_id()
+  signals = compat.orbax.awaitable_signals(operation_id=operation_id)
+  if signals:
+    await asyncio.to_thread(
+        compat.orbax.wait_for_signals, signals,
+        timeout_secs=compat.orbax.coordination_timeout(), operation_id=operation_id)

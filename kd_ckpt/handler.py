@@ -42,6 +42,7 @@ from kd_ckpt import integrity
 from kd_ckpt import orbax_writer
 from kd_ckpt import plan as plan_lib
 from kd_ckpt import reuse as reuse_lib
+from kd_ckpt import startup
 from kd_ckpt import streaming
 from kd_ckpt import text
 from kd_ckpt import tree as tree_lib
@@ -156,7 +157,8 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     item = _standard_leaves(args.item, restore=False)
     # Plain StandardSave args (e.g. Orbax's own code) bring no plan: plan here.
     plan = getattr(args, 'plan', None) or plan_lib.plan_save(
-        item, host_ram_budget=self._budget, strategy=self._strategy)
+        item, host_ram_budget=self._budget, strategy=self._strategy,
+        startup_bytes=startup.start_compiler())
     ctx = getattr(args, 'context', None) or context_for(plan)
     if plan.strategy == 'streaming':
       array_handler = streaming.StreamingArrayHandler(
@@ -230,7 +232,10 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     budget_spec = budget_lib.parse(getattr(args, 'host_ram_budget', None) or self._budget)
     budget_bytes = budget_lib.resolve(budget_spec, hostmem.probe())
     num_leaves = len([n for n, t in compat.stored_params(directory) if t in _STORED_TYPES])
-    need = cost.min_restore_budget_bytes(num_leaves)
+    # A process whose first jit is this restore pays XLA's start-up first
+    # (placing pieces compiles): the pieces share what is left.
+    startup_bytes = startup.start_compiler()
+    need = cost.min_restore_budget_bytes(num_leaves) + startup_bytes
     if budget_bytes < need:
       raise plan_lib.BudgetTooSmallError(
           f'host_ram_budget={budget_spec.text} ({text.format_bytes(budget_bytes)}) is'
@@ -238,8 +243,11 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
           f' {text.format_bytes(need)}: a fixed floor of'
           f' {text.format_bytes(cost.FLOOR_BYTES)}, {num_leaves} leaves\' bookkeeping'
           f' ({text.format_bytes(cost.leaves_charge(num_leaves))}) and a few pieces.'
-          f' Raise host_ram_budget to at least {text.format_bytes(need)}.')
-    capacity = cost.limiter_capacity(budget_bytes)
+          f' Raise host_ram_budget to at least {text.format_bytes(need)}.'
+          + (f' This restore first paid {text.format_bytes(startup_bytes)} for XLA\'s'
+             ' compiler start-up (the first jit of this process); a process that'
+             ' has run any jax.jit before does not pay it.' if startup_bytes else ''))
+    capacity = cost.limiter_capacity(budget_bytes) - startup_bytes
     read = arrays_lib.read_context_for(capacity, num_leaves)
     impl = self._pytree_handler(arrays_lib.KdArrayHandler(read=read),
                                 arrays_lib.KdNumpyHandler(read=read))

@@ -277,6 +277,11 @@ def probe(
   )
 
 
+def peak_rss_bytes() -> int:
+  """The process's RSS high-water mark (`VmHWM`; since the last reset)."""
+  return _read_status_kib('VmHWM') or current_rss_bytes()
+
+
 def _read_status_kib(field: str) -> int | None:
   try:
     with open('/proc/self/status') as f:

@@ -157,6 +157,9 @@ class SavePlan:
     candidates: every strategy considered, with its prediction.
     estimate: the per-leaf estimate the plan was made from.
     platform: JAX backend the estimate is for.
+    startup_bytes: host RAM this save spent before planning on the process's
+      one-time XLA compiler start-up (`kd_ckpt.startup`): part of the peak,
+      so the rest of the save plans with the budget less this.
   """
 
   strategy: Literal['orbax', 'streaming']
@@ -173,6 +176,7 @@ class SavePlan:
   candidates: tuple[Candidate, ...]
   estimate: estimate_lib.TreeEstimate = dataclasses.field(repr=False)
   platform: str = 'cpu'
+  startup_bytes: int = 0
 
   @property
   def fits(self) -> bool:
@@ -184,8 +188,8 @@ class SavePlan:
 
   @property
   def capacity_bytes(self) -> int:
-    """What the host limiter admits (budget less the fixed floor)."""
-    return cost.limiter_capacity(self.budget_bytes)
+    """What the host limiter admits (budget less the floor and the start-up)."""
+    return cost.limiter_capacity(self.budget_bytes - self.startup_bytes)
 
   def to_json_dict(self) -> dict[str, Any]:
     """A JSON-serialisable summary (what `python -m kd_ckpt plan --json` prints)."""
@@ -198,6 +202,7 @@ class SavePlan:
         'total_bytes': self.total_bytes,
         'global_bytes': self.global_bytes,
         'num_leaves': self.num_leaves,
+        'startup_bytes': self.startup_bytes,
         'largest_leaf_bytes': self.largest_leaf_bytes,
         'platform': self.platform,
         'orbax': dataclasses.asdict(self.orbax) if self.orbax else None,
@@ -243,7 +248,9 @@ class SavePlan:
         f' {self.estimate.process_index}/{self.estimate.process_count})',
         f'  this host writes  {fb(self.total_bytes)} of {fb(self.global_bytes)}'
         f' in {self.num_leaves} leaves (largest leaf {fb(self.largest_leaf_bytes)})',
-        f'  budget            {fb(self.budget_bytes)} ({self.budget_text})',
+        f'  budget            {fb(self.budget_bytes)} ({self.budget_text})'
+        + (f', of which XLA\'s compiler start-up took {fb(self.startup_bytes)}'
+           if self.startup_bytes else ''),
         f'  choice            {self.summary()}',
         '',
     ]
@@ -312,12 +319,24 @@ def check_strategy(strategy: str) -> str:
 
 def plan_from_estimate(
     est: estimate_lib.TreeEstimate, *, budget_bytes: int, budget_text: str = '',
-    strategy: str = 'auto') -> SavePlan:
-  """Chooses among `candidates_for(est)`; raises BudgetTooSmallError if none fits."""
+    strategy: str = 'auto', startup_bytes: int = 0) -> SavePlan:
+  """Chooses among `candidates_for(est)`; raises BudgetTooSmallError if none fits.
+
+  `startup_bytes` were already spent by this save (`kd_ckpt.startup`): the
+  candidates share what is left, and their predictions include them.
+  """
   check_strategy(strategy)
-  cands = candidates_for(est, budget_bytes)
+  startup_bytes = max(0, int(startup_bytes))
+  cands = [dataclasses.replace(  # fits: within what is left
+      c, predicted_peak_bytes=c.predicted_peak_bytes + startup_bytes,
+      worst_peak_bytes=c.worst_peak_bytes + startup_bytes)
+           for c in candidates_for(est, budget_bytes - startup_bytes)]
   stream = next(c for c in cands if c.strategy == 'streaming')
   best_orbax = _best_orbax(cands, budget_bytes)
+  startup_note = (
+      f' This save first paid {text.format_bytes(startup_bytes)} for XLA\'s compiler'
+      ' start-up (the first jit of this process); a process that has run any'
+      ' jax.jit before saving does not pay it.' if startup_bytes else '')
   empty = [l.path for l in est.leaves if l.is_array and 0 in l.shape]
   if empty and strategy == 'orbax':
     # Orbax 0.12 refuses zero-size arrays; the streaming writer stores them
@@ -336,13 +355,13 @@ def plan_from_estimate(
           f' host_ram_budget={budget_text or budget_bytes}'
           f' ({text.format_bytes(budget_bytes)}). Use strategy="auto" or'
           f' "streaming" (bounded), or raise the budget to at least'
-          f' {text.format_bytes(choice.worst_peak_bytes)}.')
+          f' {text.format_bytes(choice.worst_peak_bytes)}.{startup_note}')
   elif strategy == 'auto' and best_orbax is not None and best_orbax.fits:
     choice = best_orbax
   elif stream.fits:
     choice = stream
   else:
-    need = cost.min_budget_bytes(est.num_leaves)
+    need = cost.min_budget_bytes(est.num_leaves) + startup_bytes
     raise BudgetTooSmallError(
         f'host_ram_budget={budget_text or budget_bytes} resolves to'
         f' {text.format_bytes(budget_bytes)}, below the smallest budget kd_ckpt'
@@ -350,7 +369,7 @@ def plan_from_estimate(
         f' {text.format_bytes(cost.FLOOR_BYTES)}, {est.num_leaves} leaves\''
         f' bookkeeping ({text.format_bytes(cost.leaves_charge(est.num_leaves))}) and room'
         f' for two {text.format_bytes(cost.MIN_SLICE_BYTES)} slices). Raise'
-        f' host_ram_budget to at least {text.format_bytes(need)}.')
+        f' host_ram_budget to at least {text.format_bytes(need)}.{startup_note}')
   use_rp = choice.orbax.use_replica_parallel if choice.orbax else True
   return SavePlan(
       strategy=choice.strategy, budget_bytes=budget_bytes,
@@ -360,7 +379,7 @@ def plan_from_estimate(
       num_leaves=est.num_leaves,
       largest_leaf_bytes=max((l.global_bytes for l in est.leaves), default=0),
       orbax=choice.orbax, layout=choice.layout, candidates=tuple(cands),
-      estimate=est, platform=est.platform)
+      estimate=est, platform=est.platform, startup_bytes=startup_bytes)
 
 
 def agreed_budget(spec: budget_lib.BudgetSpec, mem: hostmem.HostMemory | None,
@@ -386,6 +405,7 @@ def plan_save(
     strategy: str = 'auto',
     memory: hostmem.HostMemory | None = None,
     platform: str | None = None,
+    startup_bytes: int = 0,
 ) -> SavePlan:
   """Plans a save of `tree` within `host_ram_budget`, copying nothing.
 
@@ -401,6 +421,10 @@ def plan_save(
       default: the current one).  On the CPU backend device memory is host
       memory and Orbax's device->host copy is free; plan with 'gpu' from a
       CPU machine to see what a GPU host would pay.
+    startup_bytes: host RAM the save already spent (`kd_ckpt.startup`): the
+      plan shares what is left of the budget.  A preflight leaves it 0; the
+      first save of a process that never ran a jit pays XLA's compiler
+      start-up (~50 MiB) on top.
 
   Returns:
     A `SavePlan`; `print(plan)` shows the table.
@@ -417,5 +441,10 @@ def plan_save(
   spec = budget_lib.parse(host_ram_budget)
   est = estimate_lib.estimate_tree(tree, platform=platform)
   budget_bytes = agreed_budget(spec, memory, est.process_count)
+  if est.process_count > 1:
+    # Slices (the zarr chunks every process writes into) must be the same
+    # everywhere: every process plans with the largest start-up.
+    startup_bytes = int(exchange.agree([startup_bytes], what='the start-up').max())
   return plan_from_estimate(est, budget_bytes=budget_bytes, budget_text=spec.text,
+                            startup_bytes=startup_bytes,
                             strategy=strategy)

@@ -189,7 +189,7 @@ def fill_array(src: Source, shape, dtype, sharding, *, strict: bool, name: str,
   shards = {}
   for key, devices in _shard_groups(shape, sharding).items():
     shard_shape = tuple(b - a for a, b in key)
-    placer = _Placer(shard_shape, dtype, devices, key, memory_kind, layout, src.ctx.limiter)
+    placer = _Placer(shard_shape, dtype, devices, key, memory_kind, layout, src.ctx)
     with placer:
       if math.prod(shard_shape):
         grid = slicing.chunk_shape(shard_shape, itemsize, piece)
@@ -210,26 +210,34 @@ def fill_array(src: Source, shape, dtype, sharding, *, strict: bool, name: str,
 class _Placer:
   """One target shard on its devices, filled piece by piece.
 
-  Device memory: the shard is allocated once and updated in place (the
-  buffer is donated).  Other memory kinds (e.g. `pinned_host`) and custom
-  layouts, where XLA cannot update in place, are assembled in one host
-  buffer, admitted through the limiter, then transferred.
+  Placing on a device compiles nothing where it can: XLA keeps every program
+  it compiles, 0.7-1.5 MiB of host RAM each (measured), per shape AND device.
+
+    * A shard that comes in one piece is transferred as it is.
+    * A shard of up to two pieces, and any shard of another memory kind (e.g.
+      `pinned_host`) or with a custom layout, is assembled in one host buffer,
+      admitted through the limiter, then transferred.
+    * A bigger one is allocated on the first device of its replica group and
+      updated in place (the buffer is donated): a zeros and an update program
+      per shape and device (the fixed floor covers a few; README, "Limits");
+      the group's other devices get device-to-device copies, nothing compiled.
   """
 
-  def __init__(self, shape, dtype, devices, key, memory_kind, layout, lim):
-    self.shape, self.dtype, self.key, self.lim = shape, dtype, key, lim
+  def __init__(self, shape, dtype, devices, key, memory_kind, layout, ctx):
+    self.shape, self.dtype, self.key, self.ctx = shape, dtype, key, ctx
+    self.lim = ctx.limiter
     self.memory_kind = memory_kind
     self.layout = layout
-    self.on_device = memory_kind in (None, 'device') and layout is None
     self.devices = devices
+    nbytes = math.prod(shape) * dtype.itemsize
+    plain = memory_kind in (None, 'device') and layout is None
+    self.on_device = plain and nbytes > 2 * ctx.piece_bytes
+    # One piece covering the shard: the piece is the staging buffer.
+    self.whole_piece = plain and not self.on_device and nbytes <= ctx.piece_bytes
     self.staging = 0
-    if self.on_device:
-      self.bufs = {d: _zeros(tuple(shape), np.dtype(dtype), d)() for d in devices}
-      jax.block_until_ready(list(self.bufs.values()))
-    else:
-      self.staging = math.prod(shape) * dtype.itemsize
-      lim.acquire(self.staging)
-      self.host = np.zeros(shape, dtype)
+    self.host = None
+    self.bufs = None
+    self.direct = None
 
   def __enter__(self):
     return self
@@ -240,26 +248,54 @@ class _Placer:
       self.lim.release(self.staging)
       self.staging = 0
 
+  def _stage(self) -> None:
+    if self.host is None:
+      self.staging = math.prod(self.shape) * self.dtype.itemsize
+      self.lim.acquire(self.staging)
+      self.host = np.zeros(self.shape, self.dtype)
+
   def place(self, data: np.ndarray, sub: slicing.Box) -> None:
     rel = tuple(slice(s.start - a, s.stop - a) for s, (a, _) in zip(sub, self.key))
-    if not self.on_device:
-      self.host[rel] = data
-      return
-    starts = np.array([s.start for s in rel], dtype=np.int32)
     # The piece is already admitted; its cast and its device copy (host RAM
     # on the CPU backend, a staging buffer on GPUs) are admitted here.
     extra = data.nbytes if data.dtype == self.dtype else data.nbytes + data.size * self.dtype.itemsize
+    if self.whole_piece and tuple(data.shape) == tuple(self.shape):
+      with self.lim.hold_sync(extra):
+        host = data if data.dtype == self.dtype else data.astype(self.dtype)
+        self.direct = {d: jax.device_put(host, d) for d in self.devices}
+        jax.block_until_ready(list(self.direct.values()))
+      return
+    if not self.on_device:
+      self._stage()
+      self.host[rel] = data
+      return
+    starts = np.array([s.start for s in rel], dtype=np.int32)
     with self.lim.hold_sync(extra):
       host = data if data.dtype == self.dtype else data.astype(self.dtype)
-      for d in self.bufs:
-        piece = jax.device_put(host, d)
-        self.bufs[d] = _update(self.bufs[d], piece, starts)
-        self.bufs[d].block_until_ready()  # the piece's copy is gone before release
-        del piece
+      self._allocate()
+      d = self.devices[0]
+      piece = jax.device_put(host, d)
+      self.bufs = _update(self.bufs, piece, starts)
+      self.bufs.block_until_ready()  # the piece's copy is gone before release
+      del piece
+
+  def _allocate(self) -> None:
+    if self.bufs is None:
+      d = self.devices[0]
+      self.bufs = _zeros(tuple(self.shape), np.dtype(self.dtype), d)()
+      self.bufs.block_until_ready()
 
   def result(self) -> dict:
+    if self.direct is not None:
+      return self.direct
     if self.on_device:
-      return self.bufs
+      self._allocate()  # nothing saved there (strict=False): zeros
+      out = {self.devices[0]: self.bufs}
+      for d in self.devices[1:]:
+        out[d] = jax.device_put(self.bufs, d)
+        out[d].block_until_ready()
+      return out
+    self._stage()  # zero-size, or nothing saved there (strict=False)
     out = {}
     for d in self.devices:
       target = jax.sharding.SingleDeviceSharding(d, memory_kind=self.memory_kind)

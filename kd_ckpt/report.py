@@ -45,6 +45,8 @@ class SaveReport:
       the numbers then cover the commit too.
     exact_peak: False where the kernel refused the peak reset (then the
       peak is the process's lifetime high-water mark).
+    startup_bytes: part of the peak this save paid for XLA's compiler
+      start-up, because it was the process's first jit (`kd_ckpt.startup`).
   """
 
   directory: str
@@ -60,6 +62,7 @@ class SaveReport:
   leaves_reused: int = 0
   async_commit: bool = False
   exact_peak: bool = True
+  startup_bytes: int = 0
 
   @property
   def gb_per_sec(self) -> float:
@@ -101,6 +104,7 @@ class SaveReport:
         ('measured peak extra RSS',
          fb(self.peak_extra_bytes) + ('' if self.exact_peak else ' (lifetime HWM)')
          + (' (async commit included)' if self.async_commit else '')),
+        *([('of which XLA start-up', fb(self.startup_bytes))] if self.startup_bytes else []),
         ('peak / budget', f'{self.peak_extra_bytes / max(1, self.budget_bytes):.2f}'),
         ('RSS retained after save', fb(self.retained_bytes)),
         ('bytes written', fb(self.bytes_written)),

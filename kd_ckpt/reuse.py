@@ -26,6 +26,13 @@ cannot work: no previous checkpoint, one without fingerprints (saved without
 reuse), remote storage, hard links refused (another filesystem), or, per
 leaf, a different shape, dtype or sharding.  A changed leaf is never reused.
 
+A `jax.Array` is immutable while it lives (donation deletes it), so a leaf
+saved again as the same live array object keeps the fingerprint computed at
+its previous save (`_RECORDS`): frozen weights held outside the train step
+(the same objects every save) cost no hashing at all.  Arrays rebuilt each
+step (Kauldron returns a new state) are hashed every save.  Mutating a live
+array's buffer behind JAX's back (through a DLPack export) voids this.
+
 Example:
 
   report = kd_ckpt.save('/ckpt/2', state, reuse_from='/ckpt/1')
@@ -44,6 +51,7 @@ import os
 import re
 import threading
 from typing import Any
+import weakref
 
 from absl import logging
 from etils import epath
@@ -197,6 +205,39 @@ def write_set(handler, arr: jax.Array) -> list[tuple[Any, slicing.Box, slicing.B
   return out
 
 
+class _RecordCache:
+  """Records of live arrays, by object: the same live jax.Array has the same bytes."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._by_id: dict[int, tuple[Any, Record]] = {}
+
+  def get(self, arr: jax.Array, base: dict[str, Any]) -> Record | None:
+    with self._lock:
+      hit = self._by_id.get(id(arr))
+    if hit is None or hit[0]() is not arr or arr.is_deleted():
+      return None
+    rec = hit[1]
+    same = all(getattr(rec, k) == v for k, v in base.items())
+    return rec if same else None
+
+  def put(self, arr: jax.Array, rec: Record) -> None:
+    key = id(arr)
+
+    def forget(_, key=key):
+      with self._lock:
+        self._by_id.pop(key, None)
+
+    with self._lock:
+      self._by_id[key] = (weakref.ref(arr, forget), rec)
+
+  def __len__(self) -> int:
+    return len(self._by_id)
+
+
+_RECORDS = _RecordCache()
+
+
 def fingerprint_leaves(handler, arrays, infos) -> list[Record]:
   """Each leaf's record: big ones hashed on device (all dispatched at once)."""
   sets = [write_set(handler, a) for a in arrays]
@@ -208,7 +249,10 @@ def fingerprint_leaves(handler, arrays, infos) -> list[Record]:
     boxes = tuple(sorted(slicing.pairs(g, arr.shape) for _, _, g in pieces))
     base = dict(dtype=np.dtype(arr.dtype).name, shape=tuple(int(n) for n in arr.shape),
                 boxes=boxes, nbytes=nbytes)
-    if nbytes >= DEVICE_MIN_BYTES:
+    known = _RECORDS.get(arr, base)
+    if known is not None:
+      records.append(known)
+    elif nbytes >= DEVICE_MIN_BYTES:
       device_jobs.append((len(records), pieces, base))
       records.append(None)
     else:
@@ -217,6 +261,8 @@ def fingerprint_leaves(handler, arrays, infos) -> list[Record]:
   fps = fingerprint_lib.fingerprint_many([p for _, p, _ in device_jobs])
   for (i, _, base), fp in zip(device_jobs, fps):
     records[i] = Record(fingerprint=fp, method='device', **base)
+  for arr, rec in zip(arrays, records):
+    _RECORDS.put(arr, rec)
   return records
 
 

@@ -1,6 +1,7 @@
 """One measured save: the sequence `kd_ckpt.save` and `SafeCheckpointer` both run.
 
-  plan  ->  disk checks  ->  trim, reset the peak  ->  Orbax save with
+  wait for the state  ->  trim, reset the peak  ->  XLA start-up (first
+  save of a process)  ->  plan  ->  disk checks  ->  Orbax save with
   `SafeSave` args  ->  (async: background commit)  ->  after-save release
   ->  `SaveReport`
 
@@ -39,6 +40,7 @@ from kd_ckpt import integrity
 from kd_ckpt import plan as plan_lib
 from kd_ckpt import report as report_lib
 from kd_ckpt import reuse as reuse_lib
+from kd_ckpt import startup
 
 
 class HandlerDidNotRunError(RuntimeError):
@@ -66,7 +68,19 @@ class MeasuredSave:
     self.item_dirs = {k: epath.Path(v) for k, v in (item_dirs or {}).items()}
     self.label = label or os.fspath(directory)
     tree = self.items if len(self.items) > 1 else next(iter(self.items.values()))
-    self.plan = plan_lib.plan_save(tree, host_ram_budget=host_ram_budget, strategy=strategy)
+    # The measurement covers the whole save, from here.  The state must exist
+    # first: on the CPU backend a just-dispatched step allocates its outputs
+    # (host memory there) when it runs, which is not this save's doing.
+    _wait_for_values(tree)
+    # From a trimmed heap, so the peak counts what this save adds rather than
+    # hiding in slack left by earlier work.
+    hostmem.release_free_memory()
+    self._peak = hostmem.PeakRss().__enter__()
+    self._start = time.monotonic()
+    # A process that never compiled pays XLA's start-up here, before any
+    # buffer exists, and the plan shares what is left of the budget.
+    self.plan = plan_lib.plan_save(tree, host_ram_budget=host_ram_budget, strategy=strategy,
+                                   startup_bytes=startup.start_compiler())
     self.stats = arrays_lib.SaveStats()
     self._contexts = {}
     # Reuse (or `fingerprint`): every leaf's fingerprint is recorded, so the
@@ -80,10 +94,8 @@ class MeasuredSave:
           self.plan, checksums=integrity.collector(), stats=self.stats, reuse=source,
           fingerprints=reuse_lib.Fingerprints() if fingerprint else None,
           progress_total_bytes=self.plan.total_bytes)
-    self._peak = hostmem.PeakRss()
     self._lock = threading.Lock()
     self._pending = set(self.items)
-    self._start = 0.0
     self._end = None
     self.report: report_lib.SaveReport | None = None
     self.async_commit = False
@@ -116,11 +128,6 @@ class MeasuredSave:
   def running(self, *, async_commit: bool = False) -> Iterator['MeasuredSave']:
     """Around the Orbax save call; maps a full disk and cleans up on failure."""
     self.async_commit = async_commit
-    # Start from a trimmed heap, so the peak counts what this save adds rather
-    # than hiding in slack left by earlier work.
-    hostmem.release_free_memory()
-    self._peak.__enter__()
-    self._start = time.monotonic()
     try:
       with jax.transfer_guard('allow'):
         yield self
@@ -171,7 +178,7 @@ class MeasuredSave:
         bytes_written=stats.bytes_written + self._host_leaf_bytes(),
         bytes_reused=stats.bytes_reused, leaves_reused=stats.leaves_reused,
         seconds=max(0.0, end - self._start), async_commit=self.async_commit,
-        exact_peak=self._peak.exact)
+        exact_peak=self._peak.exact, startup_bytes=self.plan.startup_bytes)
     logging.info('kd_ckpt %s saved: %s', self.label, self.report.summary())
     return self.report
 
@@ -206,6 +213,13 @@ def after_save(tree: Any) -> None:
             ' live array; it is freed with the array (the next train step).', 1)
         break
   hostmem.release_free_memory()
+
+
+def _wait_for_values(tree: Any) -> None:
+  """Blocks until every live array of `tree` is computed (deleted ones: the save names them)."""
+  for leaf in jax.tree_util.tree_leaves(tree):
+    if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+      leaf.block_until_ready()
 
 
 def _drop(arr) -> bool:

@@ -118,7 +118,7 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
     # may donate or overwrite them as soon as `save()` returns, and we keep
     # no host copy to write from later.  Async saves create the directories
     # in a background thread first.
-    await _directories_created()
+    await arrays_lib.directories_created()
     for info in infos:
       await info.await_path_creation()
     context = write_context() if jax.process_count() == 1 else infos[0].ts_context
@@ -363,28 +363,6 @@ class _Prepared:
   tspec: dict[str, Any]
   name: str
   byte_limiter: Any = None
-
-
-async def _directories_created() -> None:
-  """Waits until Orbax has created this save's temporary directories.
-
-  An async Orbax save (`CheckpointManager`, hence Kauldron) creates the
-  step's and items' `*.orbax-checkpoint-tmp` directories in a background
-  thread and hands the handler their paths before they exist.  Stock handlers
-  write later, in commit futures that first wait for the directory-creation
-  signals of the save's contract.  We write during `serialize`, so we wait for
-  the same signals first (as Orbax's composite handler does for blocking
-  items).  Without this, TensorStore creates the directory first, and Orbax's
-  creator then finds it, deletes it with the arrays already written, and the
-  save fails or hangs.  A synchronous save (`kd_ckpt.save`) has no such
-  signals: this returns at once.
-  """
-  operation_id = compat.orbax.current_operation_id()
-  signals = compat.orbax.awaitable_signals(operation_id=operation_id)
-  if signals:
-    await asyncio.to_thread(
-        compat.orbax.wait_for_signals, signals,
-        timeout_secs=compat.orbax.coordination_timeout(), operation_id=operation_id)
 
 
 def with_chunk_shape(tspec: dict[str, Any], chunk: tuple[int, ...]) -> dict[str, Any]:

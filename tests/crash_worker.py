@@ -105,6 +105,10 @@ class State(checkpoint_items.StandardCheckpointItem):
 
 def checkpointer(workdir, strategy: str, reuse: bool = False):
   import kd_ckpt  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import startup  # pylint: disable=g-import-not-at-top
+  # A training process has compiled its step before it saves or restores;
+  # a cold process is test_budget.py's first-jit test.
+  startup.start_compiler()
   return kd_ckpt.SafeCheckpointer(
       workdir=os.fspath(workdir), save_interval_steps=1,
       host_ram_budget=BUDGETS[strategy], strategy=strategy, reuse_unchanged=reuse)
@@ -226,6 +230,10 @@ def _install(point: str, strategy: str) -> None:
 def _save(api: str, strategy: str, point: str, directory: str) -> None:
   global _armed
   import kd_ckpt  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import startup  # pylint: disable=g-import-not-at-top
+  # A training process has compiled its step before it saves or restores;
+  # a cold process is test_budget.py's first-jit test.
+  startup.start_compiler()
 
   _install(point, strategy)
   reuse = point == 'reuse'
@@ -256,6 +264,10 @@ def _save(api: str, strategy: str, point: str, directory: str) -> None:
 def _train(step: int, point: str, argv: list[str]) -> None:
   """kauldron.main in this process, killed at `point` of the save of `step`."""
   import kd_ckpt  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import startup  # pylint: disable=g-import-not-at-top
+  # A training process has compiled its step before it saves or restores;
+  # a cold process is test_budget.py's first-jit test.
+  startup.start_compiler()
 
   strategy = next((a.split('=', 1)[1] for a in argv
                    if a.startswith('--cfg.__args__.strategy=')), 'orbax')

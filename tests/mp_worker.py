@@ -166,6 +166,10 @@ def _save(argv) -> dict:
   assert jax.process_index() == pid and jax.process_count() == nproc
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   import kd_ckpt  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import startup  # pylint: disable=g-import-not-at-top
+  # A training process has compiled its step before it saves or restores;
+  # a cold process is test_budget.py's first-jit test.
+  startup.start_compiler()
   from kd_ckpt import hostmem  # pylint: disable=g-import-not-at-top
 
   State = _state_class()  # pylint: disable=invalid-name
@@ -226,6 +230,10 @@ def _restore(workdirs) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   import kd_ckpt  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import startup  # pylint: disable=g-import-not-at-top
+  # A training process has compiled its step before it saves or restores;
+  # a cold process is test_budget.py's first-jit test.
+  startup.start_compiler()
   P, NS = jax.sharding.PartitionSpec, jax.sharding.NamedSharding  # pylint: disable=invalid-name
   assert jax.process_count() == 1 and jax.device_count() == 8
   mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(4, 2), ('u', 'v'))

@@ -122,6 +122,26 @@ def _prime_below(n: int) -> int:
 UNSEEN = ('prime', 'prime_rep', 'mesh2d_prime', 'many_small', 'mixed_dtypes')
 
 
+def host_made(total_bytes: int):
+  """Made on the host and put on the devices: nothing compiled (a cold process stays cold).
+
+  A prime-row leaf sharded over 8 devices, a replicated one of prime dims and
+  60 small leaves of 60 distinct shapes.
+  """
+  m1, _ = meshes()
+  rng = np.random.default_rng(0)
+  cols = 1031
+  rows = _prime_below(max(3, total_bytes // 2 // 4 // cols // 8)) * 8
+  tree = {'w': jax.device_put(rng.standard_normal((rows, cols), np.float32), NS(m1, P('x'))),
+          'r': jax.device_put(rng.standard_normal(
+              (_prime_below(max(3, total_bytes // 4 // 4 // cols)), cols), np.float32),
+                              NS(m1, P()))}
+  for i in range(60):
+    tree[f's{i:02d}'] = jax.device_put(
+        rng.standard_normal((17 + i, 29 + 2 * i)).astype(np.float32), NS(m1, P()))
+  return tree
+
+
 def make_state(name: str, total_bytes: int):
   if name == 'one_replicated':
     return one_replicated(total_bytes)
@@ -155,16 +175,50 @@ def _worker(argv):
     stock                    the same, unmeasured (a checkpoint to restore)
     restore BUDGET [VIA]     kd_ckpt.restore (VIA=ckpt: SafeCheckpointer.restore
                              of a `ckpt` save); peak and the restored bytes
+    cold_save STRATEGY BUDGET    kd_ckpt.save as the process's first jit
+                             (STATE is ignored: `host_made`)
+    cold_restore BUDGET      kd_ckpt.restore, no target, as the first jit
   """
   import kd_ckpt  # pylint: disable=g-import-not-at-top
   from kd_ckpt import budget as budget_lib  # pylint: disable=g-import-not-at-top
   from kd_ckpt import hostmem  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
+  from kd_ckpt import startup  # pylint: disable=g-import-not-at-top
+
   mode, directory, state, total = argv[0], argv[1], argv[2], int(argv[3])
+  as_budget = lambda b: int(b) if b.isdigit() else b
+  if mode.startswith('cold_'):
+    out = {}
+    if mode == 'cold_save':
+      tree = host_made(total)
+      jax.block_until_ready(tree)
+      assert not startup._started  # pylint: disable=protected-access
+      hostmem.release_free_memory()
+      with hostmem.PeakRss() as peak:
+        try:
+          r = kd_ckpt.save(directory, tree, host_ram_budget=as_budget(argv[5]),
+                           strategy=argv[4])
+          out = r.to_json_dict()
+        except kd_ckpt.BudgetTooSmallError as e:
+          out['error'] = str(e)
+    else:
+      assert not startup._started  # pylint: disable=protected-access
+      hostmem.release_free_memory()
+      with hostmem.PeakRss() as peak:
+        try:
+          back = kd_ckpt.restore(directory, host_ram_budget=as_budget(argv[4]))
+          jax.block_until_ready(back)
+          out['restored_bytes'] = sum(s.data.nbytes for x in jax.tree.leaves(back)
+                                      for s in x.addressable_shards)
+        except kd_ckpt.BudgetTooSmallError as e:
+          out['error'] = str(e)
+    out['measured_peak_extra_bytes'] = peak.extra_bytes
+    out['compiled'] = startup._started  # pylint: disable=protected-access
+    print(json.dumps(out))
+    return
   tree = make_state(state, total)
   jax.block_until_ready(tree)
-  as_budget = lambda b: int(b) if b.isdigit() else b
   if mode == 'save':
     r = kd_ckpt.save(directory, tree, host_ram_budget=as_budget(argv[5]), strategy=argv[4])
     out = r.to_json_dict()

@@ -131,6 +131,7 @@ def test_save_table_values():
   assert default['peak/budget'] == '-'
   assert default['x Orbax default'] == '1.00'
   assert default['restore extra - restored'] == '88.0 MiB'
+  assert default['restore peak/budget'] == '-'
   assert stream['budget'] == '64 MiB'
   assert stream['peak extra RSS'] == '32.0 MiB'
   assert stream['peak/budget'] == '0.50'
@@ -139,10 +140,21 @@ def test_save_table_values():
   assert stream['x Orbax default'] == '2.00'
   assert stream['restore extra RSS'] == '520 MiB'
   assert stream['restore extra - restored'] == '8.00 MiB'
+  assert stream['restore peak/budget'] == '0.12'
   assert stream['restore s'] == '3.00'
   assert stream['notes'] == 'a/b'  # a pipe would break the table
   assert auto['peak extra RSS'] == '-'
   assert 'ERROR: BudgetTooSmallError: nope' in auto['notes']
+
+
+def test_restore_overhead_counts_the_smaller_of_shards_and_retained():
+  row = {'restore_extra_bytes': 600 * MiB, 'restored_bytes': 512 * MiB}
+  assert measure.restore_overhead_bytes(row) == 88 * MiB
+  # Shards that share one host buffer: their sum over-counts the arrays.
+  assert measure.restore_overhead_bytes(dict(row, restore_retained_bytes=400 * MiB)) == 200 * MiB
+  # RSS kept more than the arrays (garbage): the arrays are still 512 MiB.
+  assert measure.restore_overhead_bytes(dict(row, restore_retained_bytes=550 * MiB)) == 88 * MiB
+  assert measure.restore_overhead_bytes({'restore_extra_bytes': 1}) is None
 
 
 def test_soak_table_values():
@@ -163,33 +175,57 @@ def test_soak_table_values():
   assert orbax[5] == measure.fmt_bytes(1490 * mb)
   assert orbax[6] == '450 MiB'
   assert orbax[-1] == 'reference'
-  assert kd[6] == '0 B'
-  assert kd[7] == '40.0 MiB'
-  assert kd[8] == '2.00'
-  assert kd[9] == '-'  # no malloc figures recorded
-  assert kd[-1] == 'pass'
-  with_heap = dict(soaks[1], heap_in_use_bytes=[500 * mb] * 5 + [501 * mb] * 45)
-  assert _parse_md(measure.soak_table([with_heap]))[2][9] == '1.00 MiB'
+  cols = measure.soak_columns(50)
+  kd = dict(zip(cols, kd))
+  assert kd['drift (5 -> 50)'] == '0 B'
+  assert kd['max peak extra'] == '40.0 MiB'
+  assert kd['max peak/budget'] == '0.16'
+  assert kd['mean save s'] == '2.00'
+  assert kd['total save s'] == '100.00'
+  assert kd['disk per checkpoint'] == '-'  # not recorded
+  assert kd['malloc in-use drift'] == '-'  # no malloc figures recorded
+  assert kd['verdict'] == 'pass'
+  with_heap = dict(soaks[1], heap_in_use_bytes=[500 * mb] * 5 + [501 * mb] * 45,
+                   disk_bytes_per_checkpoint=512 * mb)
+  got = dict(zip(cols, _parse_md(measure.soak_table([with_heap]))[2]))
+  assert got['malloc in-use drift'] == '1.00 MiB'
+  assert got['disk per checkpoint'] == '512 MiB'
+  over = dict(soaks[1], peak_extra_bytes=[40 * mb] * 49 + [265 * mb])
+  assert dict(zip(cols, _parse_md(measure.soak_table([over]))[2]))['verdict'] == 'FAIL'
 
 
 # --------------------------------------------------------------------------
 # Thresholds.
 
 
-def test_streaming_limit():
-  assert measure.streaming_limit_bytes(64 * MiB) == int(64 * MiB * 1.1) + 32 * MiB
+def test_kd_limit_is_budget_plus_8_mib():
+  assert measure.kd_limit_bytes(64 * MiB) == 72 * MiB
+  assert measure.kd_limit_bytes(1 << 30) == (1 << 30) + 8 * MiB
 
 
-def test_check_rows_fails_on_violating_streaming_row():
+def _kd_row(variant, budget, peak, restore_over=0):
+  restored = 512 * MiB
+  return {'state': 's', 'variant': variant, 'budget_bytes': budget,
+          'peak_extra_bytes': peak, 'restored_bytes': restored,
+          'restore_extra_bytes': restored + restore_over, 'restore_ok': True}
+
+
+@pytest.mark.parametrize('variant', ['kd_ckpt auto', 'kd_ckpt orbax', 'kd_ckpt streaming'])
+def test_check_rows_enforces_every_kd_row_save_and_restore(variant):
   budget = 64 * MiB
-  limit = measure.streaming_limit_bytes(budget)
-  ok = {'state': 's', 'variant': 'kd_ckpt streaming', 'budget_bytes': budget,
-        'peak_extra_bytes': limit}
-  bad = dict(ok, peak_extra_bytes=limit + 1)
+  limit = measure.kd_limit_bytes(budget)
+  ok = _kd_row(variant, budget, limit, restore_over=limit)
   assert measure.check_rows([ok]) == []
-  failures = measure.check_rows([ok, bad])
-  assert len(failures) == 1
-  assert 's/kd_ckpt streaming@64 MiB' in failures[0]
+  bad_save = _kd_row(variant, budget, limit + 1)
+  failures = measure.check_rows([ok, bad_save])
+  assert len(failures) == 1 and f's/{variant}@64 MiB' in failures[0], failures
+  assert 'peak/budget 1.13' in failures[0]
+  bad_restore = _kd_row(variant, budget, 1 * MiB, restore_over=limit + 1)
+  failures = measure.check_rows([bad_restore])
+  assert len(failures) == 1 and 'restore' in failures[0], failures
+  no_restore = {k: v for k, v in ok.items() if not k.startswith('restore')}
+  assert 'no restore measured' in measure.check_rows([no_restore])[0]
+  assert 'differ' in measure.check_rows([dict(ok, restore_ok=False)])[0]
 
 
 def test_check_rows_ignores_orbax_but_not_kd_errors():
@@ -198,8 +234,8 @@ def test_check_rows_ignores_orbax_but_not_kd_errors():
        'peak_extra_bytes': 10 << 30},
       {'state': 's', 'variant': 'orbax tuned', 'budget_bytes': 64 * MiB,
        'error': 'ValueError: Requested more bytes'},
-      {'state': 's', 'variant': 'kd_ckpt auto', 'budget_bytes': 64 * MiB,
-       'peak_extra_bytes': 1 << 30},  # auto: reported, not a hard threshold
+      {'state': 's', 'variant': 'orbax memory regulator', 'budget_bytes': 64 * MiB,
+       'error': 'ValueError: min_memory_limit_gib must be less than target memory'},
   ]
   assert measure.check_rows(rows) == []
   rows.append({'state': 's', 'variant': 'kd_ckpt auto', 'budget_bytes': 64 * MiB,
@@ -234,16 +270,18 @@ def _run(cmd, timeout):
 
 @pytest.mark.slow
 def test_bench_run_smoke(tmp_path):
+  """Every part but reuse at tiny scale (~1 min on 2 cores)."""
   out = tmp_path / 'out'
-  proc = _run([sys.executable, str(BENCH / 'run.py'), '--scale', 'tiny',
-               '--budgets', '64MiB', '--soak-saves', '3', '--jobs', '2',
-               '--out', str(out)], timeout=180)
+  proc = _run([sys.executable, str(BENCH / 'run.py'), '--part', 'grid,gb,soak,mp',
+               '--scale', 'tiny', '--budgets', '64MiB', '--gb-budgets', '64MiB',
+               '--soak-saves', '3', '--jobs', '2', '--out', str(out)], timeout=300)
   log = proc.stdout[-4000:] + proc.stderr[-4000:]
-  for name in ('results.json', 'results.md', 'peaks.png', 'soak.png'):
+  for name in ('results.json', 'results.md', 'peaks.png', 'gb_peaks.png', 'soak.png'):
     assert (out / name).exists(), f'{name} missing\n{log}'
-  for name in ('peaks.png', 'soak.png'):
-    assert (out / name).read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    if name.endswith('.png'):
+      assert (out / name).read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
   res = json.loads((out / 'results.json').read_text())
+  assert res['config']['parts'] == ['grid', 'gb', 'soak', 'mp']
   got = {(r['state'], r['variant'], r.get('budget_bytes')) for r in res['rows']}
   want = set()
   for st in ('replicated', 'sharded', 'gemma'):
@@ -251,19 +289,44 @@ def test_bench_run_smoke(tmp_path):
              (st, 'kd_ckpt auto', 64 * MiB), (st, 'kd_ckpt streaming', 64 * MiB),
              (st, 'dd (disk ceiling)', None)}
   assert got == want
-  for r in res['rows']:
+  got_gb = {(r['state'], r['variant'], r.get('budget_bytes')) for r in res['gb_rows']}
+  want_gb = set()
+  for st in ('big', 'gemma_gb'):
+    want_gb |= {(st, 'orbax default', None), (st, 'orbax tuned', 64 * MiB),
+                (st, 'orbax memory regulator', 64 * MiB),
+                (st, 'orbax memory regulator', 14 * 10**9),
+                (st, 'kd_ckpt auto', 64 * MiB), (st, 'kd_ckpt streaming', 64 * MiB),
+                (st, 'dd (disk ceiling)', None)}
+  assert got_gb == want_gb
+  big = [r for r in res['gb_rows'] if r['state'] == 'big' and r.get('leaves')]
+  assert big and all(r['leaves'] == 1 for r in big)
+  for r in res['rows'] + res['gb_rows']:
+    if r['variant'] == 'orbax memory regulator' and r['budget_bytes'] == 64 * MiB:
+      # Orbax 0.12.8 refuses a regulator max under ~13.4 GB.
+      assert 'min_memory_limit_gib' in r.get('error', ''), r
+      continue
     if r['variant'] != 'orbax tuned':  # may legitimately fail (Orbax limits)
       assert not r.get('error'), r
     if r['variant'] != 'dd (disk ceiling)' and not r.get('error'):
       assert r['peak_extra_bytes'] >= 0 and r['seconds'] > 0
       assert r['restore_ok'], r
   assert [s['variant'] for s in res['soak']] == [
-      'orbax default', 'kd_ckpt auto', 'kd_ckpt streaming']
+      'orbax default', 'kd_ckpt auto', 'kd_ckpt orbax', 'kd_ckpt streaming']
   assert all(len(s['rss_after_bytes']) == 3 for s in res['soak'])
+  assert all(s['disk_bytes_per_checkpoint'] > 0 for s in res['soak'])
+  assert [m['variant'] for m in res['mp']] == ['kd_ckpt streaming', 'kd_ckpt auto']
+  for m in res['mp']:
+    assert not m.get('error'), m
+    assert [p['process_index'] for p in m['processes']] == [0, 1]
+    assert all(p['local_devices'] == 4 and p['global_devices'] == 8 and p['restore_ok']
+               for p in m['processes'])
   md = (out / 'results.md').read_text()
   assert '| sharded | kd_ckpt streaming | 64 MiB |' in md
   assert '| gemma | dd (disk ceiling) |' in md
-  assert '## Soak' in md
+  assert '| big | orbax memory regulator | 14 GB |' in md
+  for section in ('## GB scale', '## Small grid', '## Soak', '## Two processes',
+                  '## Verdict', 'wall '):
+    assert section in md, section
   assert proc.returncode == (1 if res['violations'] else 0), log
   # --replot rebuilds the Markdown and plots from results.json alone.
   (out / 'results.md').unlink()
@@ -271,7 +334,48 @@ def test_bench_run_smoke(tmp_path):
                 timeout=60)
   assert replot.returncode == proc.returncode, replot.stderr[-2000:]
   assert (out / 'results.md').read_text() == md
+  # Every kd_ckpt row, save and restore, within budget + 8 MiB at tiny scale.
   assert res['violations'] == [], res['violations']
+
+
+@pytest.mark.slow
+def test_bench_reuse_smoke(tmp_path):
+  """`--part reuse` at tiny scale: 3 saves per variant, 4 Kauldron steps."""
+  out = tmp_path / 'out'
+  proc = _run([sys.executable, str(BENCH / 'run.py'), '--part', 'reuse',
+               '--scale', 'tiny', '--reuse-saves', '3', '--kauldron-steps', '4',
+               '--out', str(out)], timeout=240)
+  log = proc.stdout[-4000:] + proc.stderr[-4000:]
+  assert (out / 'results.json').exists(), log
+  assert (out / 'reuse.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+  res = json.loads((out / 'results.json').read_text())
+  runs = {r['variant']: r for r in res['reuse']}
+  assert list(runs) == ['kd_ckpt.save', 'SafeCheckpointer', 'kauldron.main tiny Gemma LoRA']
+  for name, r in runs.items():
+    assert not r.get('error'), r
+    saves = r['saves']
+    assert saves[0]['bytes_reused'] == 0
+    assert all(s['bytes_reused'] > 0 and s['leaves_reused'] > 0 for s in saves[1:]), r
+    assert len(r['checkpoints_kept']) == 3 and r['disk_bytes'] > 0
+  for name in ('kd_ckpt.save', 'SafeCheckpointer'):
+    r = runs[name]
+    assert len(r['saves']) == 3 and r['enforced']
+    assert r['frozen_bytes'] == 64 * MiB  # 4 x the 16 MiB tiny scale
+    # Only the changing part is written again, and the peak stays small.
+    t = measure.reuse_targets(r)
+    for s in r['saves'][1:]:
+      assert s['bytes_written'] <= t['write_bytes'], s
+      assert s['peak_extra_bytes'] <= t['peak_bytes'], s
+    assert r['disk_bytes'] <= measure.REUSE_DISK_FACTOR * t['ideal_disk_bytes'], r
+  kauldron = runs['kauldron.main tiny Gemma LoRA']
+  assert not kauldron['enforced']
+  assert [s['step'] for s in kauldron['saves']] == [0, 2, 4]
+  assert kauldron['checkpoints_kept'] == ['ckpt_0', 'ckpt_2', 'ckpt_4']
+  md = (out / 'results.md').read_text()
+  assert '## Reuse of unchanged leaves' in md and '| kd_ckpt.save | 2 | 1 |' in md
+  # At this size the seconds target measures fixed costs: the exit status
+  # follows the violations, whichever they are.
+  assert proc.returncode == (1 if res['violations'] else 0), log
 
 
 # What the GPU machine lacks (issue 12): Kauldron, and the C-extension pins
@@ -316,14 +420,112 @@ def test_gpu_check_dry_run(tmp_path):
   assert kd and all(not r.get('error') for r in kd), kd
 
 
-def test_budget_warnings_only_for_auto_over_budget():
+def test_budget_warnings_only_for_orbax_rows_over_budget():
   rows = [
       {'state': 's', 'variant': 'kd_ckpt auto', 'budget_bytes': 64 * MiB,
-       'peak_extra_bytes': 128 * MiB},
-      {'state': 's', 'variant': 'kd_ckpt auto', 'budget_bytes': 64 * MiB,
-       'peak_extra_bytes': 32 * MiB},
+       'peak_extra_bytes': 128 * MiB},  # a violation (check_rows), not a warning
       {'state': 's', 'variant': 'orbax tuned', 'budget_bytes': 64 * MiB,
-       'peak_extra_bytes': 1 << 30},
+       'peak_extra_bytes': 128 * MiB},
+      {'state': 's', 'variant': 'orbax tuned', 'budget_bytes': 64 * MiB,
+       'peak_extra_bytes': 32 * MiB},
   ]
   warnings = measure.budget_warnings(rows)
-  assert len(warnings) == 1 and '2.00x' in warnings[0]
+  assert len(warnings) == 1 and '2.00x' in warnings[0] and 'orbax tuned' in warnings[0]
+
+
+# --------------------------------------------------------------------------
+# Two processes and reuse: checks and tables (no processes).
+
+
+def _mp(peak=50 * MiB, whole=60 * MiB, over=10 * MiB):
+  return {'variant': 'kd_ckpt streaming', 'budget_bytes': 96 * MiB, 'num_processes': 2,
+          'processes': [
+              {'process_index': i, 'strategy': 'streaming', 'settings': 'x',
+               'report_peak_extra_bytes': peak, 'whole_save_peak_extra_bytes': whole,
+               'restore_extra_bytes': 128 * MiB + over, 'restored_bytes': 128 * MiB,
+               'bytes_written': 64 * MiB, 'save_seconds': 1.0, 'restore_ok': True}
+              for i in range(2)]}
+
+
+def test_check_mp():
+  assert measure.check_mp([_mp()]) == []
+  limit = measure.kd_limit_bytes(96 * MiB)
+  assert measure.check_mp([_mp(whole=limit)]) == []
+  assert len(measure.check_mp([_mp(whole=limit + 1)])) == 2  # both processes
+  assert len(measure.check_mp([_mp(over=limit + 1)])) == 2
+  one = _mp()
+  one['processes'] = one['processes'][:1]
+  assert measure.check_mp([one])  # a process's result is missing
+  assert 'boom' in measure.check_mp([{'variant': 'kd_ckpt auto', 'budget_bytes': 1,
+                                      'error': 'boom'}])[0]
+  table = _parse_md(measure.mp_table([_mp()]))
+  assert table[0] == list(measure.MP_COLUMNS)
+  row = dict(zip(measure.MP_COLUMNS, table[2]))
+  assert row['peak/budget'] == '0.62' and row['verdict'] == 'pass'
+  assert row['restore extra - restored'] == '10.0 MiB'
+
+
+def _reuse(n=10, wrote=48 * MiB, peak=40 * MiB, secs=0.2, disk=None):
+  frozen, changing = 1 << 30, 48 * MiB + 4
+  saves = [{'step': 0, 'bytes_written': frozen + changing, 'bytes_reused': 0,
+            'peak_extra_bytes': 100 * MiB, 'seconds': 4.0, 'strategy': 'orbax'}]
+  saves += [{'step': i, 'bytes_written': wrote, 'bytes_reused': frozen,
+             'peak_extra_bytes': peak, 'seconds': secs, 'strategy': 'orbax'}
+            for i in range(1, n)]
+  return {'variant': 'kd_ckpt.save', 'budget_bytes': 256 * MiB, 'kept': 3,
+          'frozen_bytes': frozen, 'changing_bytes': changing, 'floor_bytes': 24 * MiB,
+          'saves': saves,
+          'disk_bytes': frozen + 3 * changing if disk is None else disk}
+
+
+def test_reuse_targets_and_misses():
+  t = measure.reuse_targets(_reuse())
+  assert t['write_bytes'] == 2 * (48 * MiB + 4)
+  assert t['peak_bytes'] == 72 * MiB + 4
+  assert t['ideal_disk_bytes'] == (1 << 30) + 3 * (48 * MiB + 4)
+  assert measure.reuse_misses(_reuse()) == []
+  assert len(measure.reuse_misses(_reuse(wrote=200 * MiB))) == 9
+  assert len(measure.reuse_misses(_reuse(peak=73 * MiB))) == 9
+  assert len(measure.reuse_misses(_reuse(secs=0.41))) == 9  # > 10% of 4 s
+  assert len(measure.reuse_misses(_reuse(disk=2 << 30))) == 1
+  assert measure.reuse_misses(_reuse(n=1))  # too few saves
+  # The Kauldron run is reported, not enforced.
+  assert measure.check_reuse([dict(_reuse(secs=3.0), enforced=False)]) == []
+  assert measure.check_reuse([_reuse(secs=3.0)])
+
+
+def test_reuse_tables():
+  res = [_reuse(), dict(_reuse(secs=1.0), variant='SafeCheckpointer')]
+  summary = _parse_md(measure.reuse_summary_table(res))
+  assert summary[0] == list(measure.REUSE_SUMMARY_COLUMNS)
+  a = dict(zip(measure.REUSE_SUMMARY_COLUMNS, summary[2]))
+  b = dict(zip(measure.REUSE_SUMMARY_COLUMNS, summary[3]))
+  assert a['verdict'] == 'pass' and a['max s / full s (save 2+)'] == '0.05'
+  assert a['disk / ideal'] == '1.00' and a['frozen'] == '1.00 GiB'
+  assert b['verdict'] == 'MISS (9)'
+  per_save = _parse_md(measure.reuse_saves_table(res))
+  assert len(per_save) == 2 + 20
+  assert dict(zip(measure.REUSE_SAVE_COLUMNS, per_save[3]))['x full save'] == '0.05'
+
+
+def test_parse_kauldron_saved_line():
+  sys.path.insert(0, str(BENCH))
+  import workloads  # pylint: disable=g-import-not-at-top
+
+  line = ('I1130 23:48:58.503572 140662388267904 session.py:175] kd_ckpt step 18 saved:'
+          ' orbax (async,raw,single-replica): peak extra RSS 18.69 MiB of budget 11.07'
+          ' GiB (predicted 25.31 MiB) (async, commit included), wrote 24.01 KiB, reused'
+          ' 89.03 KiB (24 leaves) in 0.17 s (0.00 GB/s)')
+  got = workloads._parse_saved_line(line)  # pylint: disable=protected-access
+  assert got['step'] == 18 and got['strategy'] == 'orbax'
+  assert got['settings'] == 'async,raw,single-replica'
+  assert got['report_peak_extra_bytes'] == int(18.69 * MiB)
+  assert got['bytes_written'] == int(24.01 * 1024)
+  assert got['bytes_reused'] == int(89.03 * 1024) and got['leaves_reused'] == 24
+  assert got['seconds'] == 0.17
+  first = workloads._parse_saved_line(  # pylint: disable=protected-access
+      'kd_ckpt step 0 saved: streaming (slices of 6.00 MiB, limiter 40.00 MiB): peak extra'
+      ' RSS 1.00 GiB of budget 2.00 GiB (predicted 1.5 GiB), wrote 113.04 KiB in 0.20 s'
+      ' (0.00 GB/s)')
+  assert first['bytes_reused'] == 0 and first['report_peak_extra_bytes'] == 1 << 30
+  assert first['settings'] == 'slices of 6.00 MiB, limiter 40.00 MiB'
