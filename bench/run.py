@@ -186,20 +186,7 @@ def build_state(name: str, total_bytes: int):
   if name == 'gemma':
     # Gemma-like: bf16 params, Adam mu/nu in f32 (10 bytes per parameter),
     # 4 layers: q/kv/o attention, gated MLP (F = 8 D), RMS norms, embedding.
-    n_params = total_bytes / 10
-    layers = 4
-    per_layer = 26.25  # in D^2: q 1 + kv 1/4 + o 1 + gating 16 + linear 8
-    d = _round(math.sqrt(0.75 * n_params / (layers * per_layer)), 64)
-    f, kvd = 8 * d, max(8, d // 8)
-    vocab = _round(max(n_params - layers * per_layer * d * d, 64 * d) / d, 64)
-    shapes = {'embedder': {'input_embedding': (vocab, d)}, 'final_norm': {'scale': (d,)}}
-    for l in range(layers):
-      shapes[f'layer_{l}'] = {
-          'attn': {'q_einsum': (d, d), 'kv_einsum': (2, d, kvd), 'attn_vec_einsum': (d, d)},
-          'mlp': {'gating_einsum': (2, d, f), 'linear': (f, d)},
-          'pre_attention_norm': {'scale': (d,)},
-          'pre_ffw_norm': {'scale': (d,)},
-      }
+    shapes = workloads.gemma_shapes(total_bytes, 4, n)
     counter = iter(range(10_000))
 
     def make(dtype):
@@ -771,7 +758,7 @@ def gb_variants(budgets: list[int]) -> list[tuple[str, int | None]]:
 
 SOAK_VARIANTS = ('orbax default', 'kd_ckpt auto', 'kd_ckpt orbax', 'kd_ckpt streaming')
 MP_STRATEGIES = ('streaming', 'auto')
-REUSE_VARIANTS = ('kd_ckpt.save', 'SafeCheckpointer')
+REUSE_VARIANTS = ('kd_ckpt.save', 'SafeCheckpointer', 'SafeCheckpointer, frozen rebuilt')
 PARTS = ('grid', 'gb', 'soak', 'mp', 'reuse')
 
 

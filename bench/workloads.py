@@ -216,8 +216,13 @@ def build_reuse_state(jax, frozen_bytes: int, train_bytes: int):
   return jax.block_until_ready(state), (layout, mesh, sizes)
 
 
-def reuse_step(jax, state, layout_mesh, i: int):
-  """The next state: new trainable, mu, nu and step; the frozen part as is."""
+def reuse_step(jax, state, layout_mesh, i: int, rebuild_frozen: bool = False):
+  """The next state: new trainable, mu, nu and step; the frozen part as is.
+
+  `rebuild_frozen`: the frozen part as new arrays of the same bytes, as a
+  train step that returns the whole state (Kauldron's) gives them: kd_ckpt
+  then hashes them every save instead of reusing the live arrays' records.
+  """
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
 
@@ -229,7 +234,8 @@ def reuse_step(jax, state, layout_mesh, i: int):
             for j, (k, (s, d, sh)) in enumerate(sorted(layout['train'].items()))}
 
   new = {
-      'frozen': state['frozen'],
+      'frozen': (jax.tree.map(jnp.copy, state['frozen']) if rebuild_frozen
+                 else state['frozen']),
       'trainable': part(10),
       'opt_state': {'mu': part(110), 'nu': part(210)},
       'step': jax.device_put(jnp.int32(i), NamedSharding(mesh, P())),
@@ -271,7 +277,7 @@ def worker_reuse(jax, spec: dict[str, Any]) -> dict[str, Any]:
   os.makedirs(ckdir, exist_ok=True)
   saves: list[dict[str, Any]] = []
 
-  if variant == 'SafeCheckpointer':
+  if variant.startswith('SafeCheckpointer'):
     from kauldron import kd  # pylint: disable=g-import-not-at-top
     import flax  # pylint: disable=g-import-not-at-top
 
@@ -318,7 +324,7 @@ def worker_reuse(jax, spec: dict[str, Any]) -> dict[str, Any]:
 
   for i in range(int(spec['saves'])):
     if i > 0:
-      new = reuse_step(jax, state, lm, i)
+      new = reuse_step(jax, state, lm, i, rebuild_frozen=variant.endswith('frozen rebuilt'))
       del state
       state = new
     gc.collect()
@@ -329,7 +335,7 @@ def worker_reuse(jax, spec: dict[str, Any]) -> dict[str, Any]:
       secs = time.perf_counter() - t0
     saves.append({'step': i, 'peak_extra_bytes': p.extra_bytes, 'seconds': secs,
                   **_report_save(report)})
-  if variant == 'SafeCheckpointer':
+  if variant.startswith('SafeCheckpointer'):
     ckpt.close()
   out['saves'] = saves
   out['disk_bytes'] = du_bytes(ckdir)

@@ -350,14 +350,15 @@ def test_bench_reuse_smoke(tmp_path):
   assert (out / 'reuse.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
   res = json.loads((out / 'results.json').read_text())
   runs = {r['variant']: r for r in res['reuse']}
-  assert list(runs) == ['kd_ckpt.save', 'SafeCheckpointer', 'kauldron.main tiny Gemma LoRA']
+  assert list(runs) == ['kd_ckpt.save', 'SafeCheckpointer', 'SafeCheckpointer, frozen rebuilt',
+                        'kauldron.main tiny Gemma LoRA']
   for name, r in runs.items():
     assert not r.get('error'), r
     saves = r['saves']
     assert saves[0]['bytes_reused'] == 0
     assert all(s['bytes_reused'] > 0 and s['leaves_reused'] > 0 for s in saves[1:]), r
     assert len(r['checkpoints_kept']) == 3 and r['disk_bytes'] > 0
-  for name in ('kd_ckpt.save', 'SafeCheckpointer'):
+  for name in ('kd_ckpt.save', 'SafeCheckpointer', 'SafeCheckpointer, frozen rebuilt'):
     r = runs[name]
     assert len(r['saves']) == 3 and r['enforced']
     assert r['frozen_bytes'] == 64 * MiB  # 4 x the 16 MiB tiny scale
