@@ -307,17 +307,25 @@ def check_structure(directory, target: Any) -> None:
   Stock Orbax refuses the same targets (its message lists the tree
   difference); this says which leaf, and what to do, before anything is read.
   """
-  stored = [n for n, t in compat.stored_params(directory) if t in _STORED_TYPES]
+  params = compat.stored_params(directory)
+  stored = [n for n, t in params if t in _STORED_TYPES]
+  # Empty nodes saved (None, optax.MaskedNode, {}) are recorded too; a target
+  # leaf there comes back as None, as with stock Orbax.
+  recorded = {n for n, _ in params}
   wanted = tree_lib.names(target)
   fix = (f' `python -m kd_ckpt inspect {directory}` lists the saved leaves;'
          ' build the target from them, or pass target=None.')
-  missing = [n for n in wanted if n not in set(stored)]
+  missing = [n for n in wanted if n not in recorded]
   if missing:
     raise ValueError(
         f'Structure mismatch: target leaf {missing[0]!r} is not in the checkpoint'
         + (f' (nor {len(missing) - 1} more: {missing[1:4]})' if len(missing) > 1 else '')
         + f'; the checkpoint has {len(stored)} leaves.' + fix)
-  extra = [n for n in stored if n not in set(wanted)]
+  # A None in the target skips the saved leaves under it (restored as None).
+  skipped = [tree_lib.name_of(kp) for kp, v in jax.tree_util.tree_flatten_with_path(
+      target, is_leaf=lambda x: x is None)[0] if v is None]
+  extra = [n for n in stored if n not in set(wanted) and not any(
+      n == s or n.startswith(s + '.') or not s for s in skipped)]
   if extra:
     raise ValueError(
         f'Structure mismatch: checkpoint leaf {extra[0]!r} is missing from the target'

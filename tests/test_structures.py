@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import flax
 from flax import nnx
@@ -235,3 +236,19 @@ def test_no_target_keeps_wide_values(root):
   d = _saved(root, 'numpy_leaves', 'orbax')
   got = kd_ckpt.restore(d)
   assert got['f64'].dtype == np.float64 and got['f64'][0] == 1 / 3
+
+
+def test_none_in_the_target_skips_a_saved_leaf_as_orbax_does(root):
+  """Orbax's test_none_node_in_restore_args: a None target node comes back None."""
+  tree = {'a': jnp.arange(4.0), 'b': {'c': jnp.ones(3), 'e': jnp.zeros(2)}}
+  d = os.path.join(root, 'none_node')
+  kd_ckpt.save(d, tree, host_ram_budget='64MiB')
+  target = {'a': None, 'b': jax.eval_shape(lambda: tree['b'])}
+  back = kd_ckpt.restore(d, target)
+  assert back['a'] is None
+  np.testing.assert_array_equal(np.asarray(back['b']['c']), np.ones(3))
+  stock = ocp.StandardCheckpointer().restore(d, target)
+  assert jax.tree.structure(stock) == jax.tree.structure(back)
+  # A target leaf the checkpoint never had is still named.
+  with pytest.raises(ValueError, match="'z'"):
+    kd_ckpt.restore(d, {**target, 'z': jax.ShapeDtypeStruct((2,), jnp.float32)})
