@@ -519,6 +519,12 @@ def check_mp(results: Iterable[dict[str, Any]]) -> list[str]:
   return failures
 
 
+def error_row(lead: list[Any], columns: Sequence[str], error: str) -> list[Any]:
+  """A table row for a run that failed: its leading cells, dashes, the error."""
+  return (list(lead) + ['-'] * (len(columns) - len(lead) - 1)
+          + [f'ERROR: {error}'.replace('|', '/')])
+
+
 MP_COLUMNS = ('variant', 'budget', 'process', 'settings', 'report peak extra RSS',
               'whole-save peak extra RSS', 'peak/budget', 'restore extra - restored',
               'restore peak/budget', 'wrote', 'save s', 'verdict')
@@ -528,9 +534,8 @@ def mp_table(results: Iterable[dict[str, Any]]) -> str:
   rows = []
   for res in results:
     if res.get('error'):
-      rows.append([res.get('variant'), budget_label(res.get('budget_bytes'))]
-                  + ['-'] * (len(MP_COLUMNS) - 3)
-                  + [f"ERROR: {res['error']}".replace('|', '/')])
+      rows.append(error_row([res.get('variant'), budget_label(res.get('budget_bytes'))],
+                            MP_COLUMNS, res['error']))
       continue
     budget = res.get('budget_bytes')
     for p in res.get('processes') or []:
@@ -622,8 +627,7 @@ def reuse_summary_table(results: Iterable[dict[str, Any]]) -> str:
   rows = []
   for res in results:
     if res.get('error'):
-      rows.append([res.get('variant')] + ['-'] * (len(REUSE_SUMMARY_COLUMNS) - 2)
-                  + [f"ERROR: {res['error']}".replace('|', '/')])
+      rows.append(error_row([res.get('variant')], REUSE_SUMMARY_COLUMNS, res['error']))
       continue
     saves = res.get('saves') or []
     later = saves[1:]

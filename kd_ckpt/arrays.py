@@ -157,12 +157,12 @@ class KdArrayHandler(ocp.type_handlers.ArrayHandler):
       return list(range(len(arrays))), None
     from kd_ckpt import reuse  # pylint: disable=g-import-not-at-top
     del args
-    # Reuse links files into this item's directory, which an async save
-    # creates in a background thread: wait for it, or Orbax's creator finds
-    # the links there and deletes them.
+    return await reuse.split(self, arrays, infos, ctx)
+
+  async def directories_ready(self, infos) -> None:
+    """Before writing into the item's directory (slices, reuse's links): it exists."""
     await directories_created()
     await asyncio.gather(*[info.await_path_creation() for info in infos])
-    return await reuse.split(self, arrays, infos, ctx)
 
   def note_written(self) -> None:
     self._save_ctx.stats.handler_ran = True

@@ -325,8 +325,8 @@ class PeakRss:
 
   def sample(self) -> int:
     """Folds the high-water mark so far into `peak_bytes` (any thread)."""
-    hwm = _read_status_kib('VmHWM') or 0
-    self.peak_bytes = max(self.peak_bytes, hwm, self.after_bytes, self.before_bytes)
+    self.peak_bytes = max(self.peak_bytes, peak_rss_bytes(), self.after_bytes,
+                          self.before_bytes)
     return self.peak_bytes
 
   @property

@@ -45,6 +45,10 @@ class OrbaxArrayHandler(arrays_lib.KdArrayHandler):
             ' writer stores zero-size arrays), or drop the leaf.')
     self.note_written()
     arrays, ext = self.stored_values(values, infos)
+    if self.save_context.reuse is not None:
+      # Reuse links files into the item's directory now, which an async save
+      # creates in a background thread: Orbax's creator would delete them.
+      await self.directories_ready(infos)
     write_idx, reuse_job = await self.split_reused(arrays, infos, args)
     w_arrays = [arrays[i] for i in write_idx]
     w_infos = [infos[i] for i in write_idx]

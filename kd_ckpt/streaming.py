@@ -113,14 +113,12 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
     hostmem.use_mmap_for_large_buffers()
     arrays, ext = self.stored_values(values, infos)
     prepared = [self._prepare(a, i, g, ext.get(i.name)) for a, i, g in zip(arrays, infos, args)]
-    write_idx, reuse_job = await self.split_reused(arrays, infos, args)
     # The arrays are written *now*, before this coroutine returns: the caller
     # may donate or overwrite them as soon as `save()` returns, and we keep
     # no host copy to write from later.  Async saves create the directories
     # in a background thread first.
-    await arrays_lib.directories_created()
-    for info in infos:
-      await info.await_path_creation()
+    await self.directories_ready(infos)
+    write_idx, reuse_job = await self.split_reused(arrays, infos, args)
     context = write_context() if jax.process_count() == 1 else infos[0].ts_context
     lim = ctx.limiter
     progress = arrays_lib.Progress(ctx.progress_total_bytes) if ctx.progress_total_bytes else None
