@@ -34,7 +34,7 @@ DEMO_DEVICES ?= 8
 DEMO_CFG := configs/gemma_lora.py
 PLAN_ARGS ?=
 
-.PHONY: test test-fast test-orbax-peer demo bench bench-full plan constraints venv clean
+.PHONY: test test-fast test-orbax-peer demo bench bench-full calibrate plan constraints venv clean
 
 venv: $(STAMP)
 
@@ -80,6 +80,10 @@ bench: $(STAMP)
 
 bench-full: $(STAMP)
 	$(PY) bench/run.py --full
+
+# Re-measures the fixed costs behind kd_ckpt/cost.py (~30 s).
+calibrate: $(STAMP)
+	$(PY) bench/calibrate.py
 
 plan: $(STAMP)
 	$(PY) -m kd_ckpt plan --cfg=$(DEMO_CFG) $(PLAN_ARGS)

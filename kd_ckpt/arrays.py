@@ -104,9 +104,9 @@ class SaveContext:
 
 def read_context_for(capacity_bytes: int, num_leaves: int = 0) -> reading.ReadContext:
   """A restore's reads: pieces sized to what the leaves' bookkeeping leaves."""
-  return reading.ReadContext(
-      limiter_lib.process_limiter(), capacity_bytes,
-      cost.restore_piece_bytes(capacity_bytes - cost.leaves_charge(num_leaves)))
+  pieces = capacity_bytes - cost.leaves_charge(num_leaves)
+  return reading.ReadContext(limiter_lib.process_limiter(), capacity_bytes,
+                             cost.restore_piece_bytes(pieces), pieces)
 
 
 # Restores through a handler that was not given a budget (e.g. Orbax's own

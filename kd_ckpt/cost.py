@@ -8,8 +8,9 @@ Two kinds of numbers live here:
 * What the plan predicts, to rank strategies and to decide whether a path
   that cannot be enforced (Orbax's own async save) fits: its worst case.
 
-Every constant says where it was measured; `bench/calibrate.py` re-measures
-them (`make calibrate`, 2 cores, 24 GiB, CPU backend, tensorstore 0.1.86).
+Every constant says where it was measured (2 cores, 24 GiB, CPU backend,
+tensorstore 0.1.86); `make calibrate` (bench/calibrate.py) re-measures the
+fixed ones: the floor, the per-leaf charge and the placement programs.
 
 Example:
 
@@ -30,10 +31,11 @@ KiB, MiB = 1 << 10, 1 << 20
 # --- The fixed floor ----------------------------------------------------------
 # What a bounded save or restore costs beyond its buffers, whatever the state:
 # TensorStore's thread pools and their glibc arenas, the OCDBT manifest and
-# node cache, jit-compiled slice updates, Python objects.  The limiter's
-# capacity is the budget less this.  Measured (bench/calibrate.py, smallest
-# slices, 1-1000 leaves): 9-17 MiB; kept at 24 MiB for hosts whose allocator
-# or thread count make it larger.
+# node cache, Python objects.  The limiter's capacity is the budget less this.
+# `make calibrate` measures 3.9-4.7 MiB beyond the admitted buffers for one
+# tiny leaf; kept at 24 MiB because bigger slices grow TensorStore's arenas
+# and hosts with more threads have more of them (tests/test_budget.py
+# measures every path against the whole budget).
 FLOOR_BYTES = 24 * MiB
 
 # --- Streaming save -------------------------------------------------------------
@@ -80,6 +82,14 @@ READ_NODE_CACHE_BYTES = 8 * 10**6
 # its state (`StoredArray.state_bytes`), which for zstd chunks includes the
 # decoder's window, 512 KiB-2 MiB for Orbax's levels: pieces leave this much.
 CHUNKREAD_STATE_BYTES = 3 * MiB
+# The least the pieces of a restore need: a read and a placement of 64 KiB
+# pieces (`restore_piece_bytes`), plus chunkread's state.
+MIN_PIECES_BYTES = 5 * 64 * KiB + CHUNKREAD_STATE_BYTES
+# Each program a restore compiles to fill a big shard on its device (a zeros
+# buffer, an update), which XLA keeps for the life of the process.  Measured
+# (`make calibrate`) 390 KiB each on one device, 491 KiB SPMD over 8 devices;
+# charged 1 MiB.
+PROGRAM_BYTES = 1 * MiB
 
 # --- Orbax's own save (cannot be enforced: chosen only if its worst case fits)
 # TensorStore and OCDBT contexts, thread stacks and arenas, metadata: 4-16 MiB
@@ -134,9 +144,14 @@ def place_charge(piece_bytes: int) -> int:
   return int(2 * piece_bytes)
 
 
+def programs_charge(num_programs: int) -> int:
+  """Placement programs a restore compiles, held from their compile to its end."""
+  return int(num_programs) * PROGRAM_BYTES
+
+
 def min_restore_budget_bytes(num_leaves: int = 0) -> int:
   """The smallest budget a restore of `num_leaves` leaves can honour."""
-  return FLOOR_BYTES + leaves_charge(num_leaves) + 5 * 64 * KiB + CHUNKREAD_STATE_BYTES
+  return FLOOR_BYTES + leaves_charge(num_leaves) + MIN_PIECES_BYTES
 
 
 def restore_piece_bytes(capacity_bytes: int) -> int:

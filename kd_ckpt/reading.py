@@ -40,16 +40,27 @@ from kd_ckpt import chunkread
 from kd_ckpt import compat
 from kd_ckpt import cost
 from kd_ckpt import limiter as limiter_lib
+from kd_ckpt import plan as plan_lib
 from kd_ckpt import slicing
+from kd_ckpt import text
 
 
 @dataclasses.dataclass(frozen=True)
 class ReadContext:
-  """How one restore reads: the limiter, its capacity and the largest piece."""
+  """How one restore reads: the limiter, its capacity and the largest piece.
+
+  `pieces_capacity_bytes` is what the pieces and placement programs share
+  (the capacity less the leaves' bookkeeping; default: the capacity).
+  """
 
   limiter: limiter_lib.HostLimiter
   capacity_bytes: int
   piece_bytes: int
+  pieces_capacity_bytes: int = 0
+
+  def __post_init__(self):
+    if not self.pieces_capacity_bytes:
+      object.__setattr__(self, 'pieces_capacity_bytes', self.capacity_bytes)
 
   @functools.cached_property
   def ts_context(self) -> ts.Context:
@@ -71,20 +82,39 @@ def read_context() -> ts.Context:
   })
 
 
-@functools.lru_cache(maxsize=256)
-def _zeros(shape, dtype, device):
-  """A jitted zero buffer made on `device` directly.
+# --- placement programs -------------------------------------------------------
+# Filling a big shard on its device compiles a zeros and an update program.
+# XLA keeps every program it compiles (cost.PROGRAM_BYTES of host RAM each):
+# a read admits each new one through the limiter, for the rest of the read,
+# before compiling it (`_admit_programs`).  Their keys, once compiled:
+_COMPILED: set = set()
+
+
+@functools.cache
+def _zeros(shape, dtype, sharding):
+  """A jitted zero buffer made in `sharding` directly (one program per key).
 
   `jnp.zeros(shape, device=d)` peaked at 3.4x the buffer here (it is made
   elsewhere, then moved); this at 1.15x.
   """
-  return jax.jit(functools.partial(jax.numpy.zeros, shape, dtype),
-                 out_shardings=jax.sharding.SingleDeviceSharding(device))
+  return jax.jit(functools.partial(jax.numpy.zeros, shape, dtype), out_shardings=sharding)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _update(buf, piece, starts):
   return jax.lax.dynamic_update_slice(buf, piece, tuple(starts))
+
+
+@functools.cache
+def _update_every_shard(sharding: jax.sharding.NamedSharding):
+  """One SPMD program writing a piece at the same place in every shard."""
+
+  def body(buf, piece, starts):
+    return jax.lax.dynamic_update_slice(buf, piece, tuple(starts[i] for i in range(buf.ndim)))
+
+  return jax.jit(jax.shard_map(
+      body, mesh=sharding.mesh, in_specs=(sharding.spec, sharding.spec, jax.sharding.PartitionSpec()),
+      out_specs=sharding.spec, check_vma=False), donate_argnums=0)
 
 
 class Source:
@@ -165,12 +195,88 @@ def _shard_groups(shape, sharding) -> dict[tuple, list]:
   return groups
 
 
+@dataclasses.dataclass(frozen=True)
+class _InPlace:
+  """How shards too big for the host are filled on their devices.
+
+  A zeros buffer in `sharding` (the leaf's, every shard at once; or one
+  device's, one shard), then one update per piece: the pieces are C-order
+  runs of a shard (`slicing.row_boxes`), all of one shape, so two programs.
+  """
+
+  sharding: Any
+  shape: tuple[int, ...]       # the buffer: the leaf, or one shard
+  shard: tuple[int, ...]
+  itemsize: int                # the larger of the stored and target itemsizes
+  piece_bytes: int
+  piece: tuple[int, ...]       # each piece, in one shard
+  dtype: np.dtype
+
+  @property
+  def programs(self) -> set:
+    return {('zeros', self.shape, self.dtype, self.sharding),
+            ('update', self.shape, self.piece, self.dtype, self.sharding)}
+
+
+def _split_format(sharding):
+  """(sharding, layout): a `Format` carries a custom device-local layout."""
+  if isinstance(sharding, jax.sharding.Sharding):
+    return sharding, None
+  return sharding.sharding, compat.format_layout(sharding)
+
+
+def _placement(shape, dtype, itemsize, sharding, piece_bytes):
+  """(groups, plan): shard box -> devices, and which shards are filled in place.
+
+  plan is an `_InPlace` for the whole leaf (every shard at once), or a dict
+  from shard box to an `_InPlace` (None: assembled on the host).
+
+    * A shard of up to two pieces, or of another memory kind (`pinned_host`)
+      or a custom layout, is assembled on the host (nothing compiled).
+    * Bigger equal shards of a NamedSharding on this process's devices are
+      filled together: one SPMD program per leaf shape.  Filled one device
+      at a time they would compile two programs per shape AND device.
+    * Otherwise (several processes: an SPMD program would need every process
+      to run it in step) each is filled on the first device of its replica
+      group, whose other devices get device-to-device copies.
+  """
+  sharding, layout = _split_format(sharding)
+  dtype = np.dtype(dtype)
+  groups = _shard_groups(shape, sharding)
+  plain = layout is None and getattr(sharding, 'memory_kind', None) in (None, 'device')
+  extents = {key: tuple(b - a for a, b in key) for key in groups}
+  big = {key: plain and math.prod(e) * dtype.itemsize > 2 * piece_bytes
+         for key, e in extents.items()}
+  if (all(big.values()) and len(groups) > 1 and len(set(extents.values())) == 1
+      and isinstance(sharding, jax.sharding.NamedSharding) and sharding.is_fully_addressable):
+    shard = next(iter(extents.values()))
+    devices = sum(len(d) for d in groups.values())
+    # A step holds every device's copy of its piece (host RAM on the CPU
+    # backend) and one host piece: within two of the read's pieces.
+    piece_bytes = max(2 * piece_bytes // (devices + 2), itemsize)
+    return groups, _InPlace(sharding, tuple(shape), shard, itemsize, piece_bytes,
+                            slicing.row_box_shape(shard, itemsize, piece_bytes), dtype)
+  return groups, {
+      key: _InPlace(jax.sharding.SingleDeviceSharding(groups[key][0]), extents[key],
+                    extents[key], itemsize, piece_bytes,
+                    slicing.row_box_shape(extents[key], itemsize, piece_bytes), dtype)
+      if big[key] else None for key in groups}
+
+
+def _programs(shape, dtype, itemsize, sharding, piece_bytes) -> set:
+  _, plan = _placement(shape, dtype, itemsize, sharding, piece_bytes)
+  plans = [plan] if isinstance(plan, _InPlace) else [p for p in plan.values() if p]
+  return set().union(*(p.programs for p in plans))
+
+
 def fill_array(src: Source, shape, dtype, sharding, *, strict: bool, name: str,
                reserve=None) -> jax.Array:
   """A jax.Array of `shape` in `sharding`, filled from `src` within the limiter.
 
   `reserve(nbytes)`, if given, is a context manager each piece is read
   under (Orbax's `restore_concurrent_gb` byte limiter, when the user set one).
+  The placement programs it compiles are admitted by the caller
+  (`_admit_programs`).
   """
   if strict and tuple(shape) != src.shape:
     raise ValueError(
@@ -181,16 +287,22 @@ def fill_array(src: Source, shape, dtype, sharding, *, strict: bool, name: str,
   dtype = np.dtype(dtype)
   itemsize = max(dtype.itemsize, src.dtype.itemsize)
   piece = src.ctx.piece_bytes
-  layout = None
-  if not isinstance(sharding, jax.sharding.Sharding):
-    # A `Format`: a custom device-local layout, plus the sharding.
-    layout, sharding = compat.format_layout(sharding), sharding.sharding
+  groups, plan = _placement(shape, dtype, itemsize, sharding, piece)
+  sharding, layout = _split_format(sharding)
+  if isinstance(plan, _InPlace):
+    return _fill_in_place(src, shape, plan, groups, reserve)
   memory_kind = getattr(sharding, 'memory_kind', None)
   shards = {}
-  for key, devices in _shard_groups(shape, sharding).items():
+  for key, devices in groups.items():
+    if plan[key] is not None:
+      buf = _fill_in_place(src, shape, plan[key], {key: devices[:1]}, reserve)
+      shards[devices[0]] = buf
+      for d in devices[1:]:
+        shards[d] = jax.device_put(buf, d)
+        shards[d].block_until_ready()
+      continue
     shard_shape = tuple(b - a for a, b in key)
-    placer = _Placer(shard_shape, dtype, devices, key, memory_kind, layout, src.ctx)
-    with placer:
+    with _HostShard(shard_shape, dtype, devices, key, memory_kind, layout, src.ctx) as placer:
       if math.prod(shard_shape):
         grid = slicing.chunk_shape(shard_shape, itemsize, piece)
         for box in slicing.boxes(shard_shape, grid, itemsize, piece):
@@ -207,20 +319,63 @@ def fill_array(src: Source, shape, dtype, sharding, *, strict: bool, name: str,
   return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
 
 
-class _Placer:
-  """One target shard on its devices, filled piece by piece.
+def _fill_in_place(src: Source, shape, plan: _InPlace, groups, reserve) -> jax.Array:
+  """`groups`' shards filled on their devices: zeros, then one update per piece.
 
-  Placing on a device compiles nothing where it can: XLA keeps every program
-  it compiles, 0.7-1.5 MiB of host RAM each (measured), per shape AND device.
+  Each step reads the same relative box of every shard in `groups` and puts
+  it on the shard's devices; the device copies (host RAM on the CPU backend)
+  are admitted until the update has run.
+  """
+  lim, dtype = src.ctx.limiter, plan.dtype
+  every = isinstance(plan.sharding, jax.sharding.NamedSharding)
+  update = _update_every_shard(plan.sharding) if every else _update
+  piece_nbytes = math.prod(plan.piece) * dtype.itemsize
+  order = list(plan.sharding.addressable_devices_indices_map(plan.shape))
+  pieces_shape = tuple(f * (n // e) for f, n, e in zip(plan.piece, plan.shape, plan.shard))
+  buf = _zeros(plan.shape, dtype, plan.sharding)()
+  buf.block_until_ready()
+  for rel in slicing.row_boxes(plan.shard, plan.itemsize, plan.piece_bytes):
+    on_devices = {}
+    with contextlib.ExitStack() as held:
+      for key, devices in groups.items():
+        held.enter_context(lim.hold_sync(len(devices) * piece_nbytes))
+        glob = slicing.offset(slicing.from_pairs(key), rel, shape)
+        with _host_piece(src, glob, dtype, reserve) as host:
+          for d in devices:
+            on_devices[d] = jax.device_put(host, d)
+          jax.block_until_ready([on_devices[d] for d in devices])
+      pieces = (jax.make_array_from_single_device_arrays(
+          pieces_shape, plan.sharding, [on_devices.pop(d) for d in order])
+                if every else on_devices.pop(order[0]))
+      buf = update(buf, pieces, np.array([s.start for s in rel], np.int32))
+      buf.block_until_ready()  # the pieces' copies are gone before release
+      del pieces
+  return buf
 
-    * A shard that comes in one piece is transferred as it is.
-    * A shard of up to two pieces, and any shard of another memory kind (e.g.
-      `pinned_host`) or with a custom layout, is assembled in one host buffer,
-      admitted through the limiter, then transferred.
-    * A bigger one is allocated on the first device of its replica group and
-      updated in place (the buffer is donated): a zeros and an update program
-      per shape and device (the fixed floor covers a few; README, "Limits");
-      the group's other devices get device-to-device copies, nothing compiled.
+
+@contextlib.contextmanager
+def _host_piece(src: Source, glob: slicing.Box, dtype, reserve) -> Iterator[np.ndarray]:
+  """The stored values of `glob` in `dtype`, zeros beyond the saved array."""
+  shape = tuple(s.stop - s.start for s in glob)
+  inside = tuple(slice(s.start, min(s.stop, n)) for s, n in zip(glob, src.shape))
+  with src.ctx.limiter.hold_sync(math.prod(shape) * dtype.itemsize):
+    out = np.zeros(shape, dtype)
+    if all(s.stop > s.start for s in inside):  # strict=False: beyond it, zeros
+      with (reserve(slicing.nbytes(inside, src.dtype.itemsize)) if reserve
+            else contextlib.nullcontext()):
+        for sub, data in src.pieces(inside):
+          out[tuple(slice(a.start - b.start, a.stop - b.start) for a, b in zip(sub, glob))] = data
+          del data
+    yield out
+    del out
+
+
+class _HostShard:
+  """One target shard assembled on the host, then put on its devices.
+
+  A shard that comes in one piece is transferred as it is; otherwise the
+  pieces land in one host buffer, admitted through the limiter.  Nothing is
+  compiled.
   """
 
   def __init__(self, shape, dtype, devices, key, memory_kind, layout, ctx):
@@ -231,12 +386,10 @@ class _Placer:
     self.devices = devices
     nbytes = math.prod(shape) * dtype.itemsize
     plain = memory_kind in (None, 'device') and layout is None
-    self.on_device = plain and nbytes > 2 * ctx.piece_bytes
     # One piece covering the shard: the piece is the staging buffer.
-    self.whole_piece = plain and not self.on_device and nbytes <= ctx.piece_bytes
+    self.whole_piece = plain and nbytes <= ctx.piece_bytes
     self.staging = 0
     self.host = None
-    self.bufs = None
     self.direct = None
 
   def __enter__(self):
@@ -255,46 +408,21 @@ class _Placer:
       self.host = np.zeros(self.shape, self.dtype)
 
   def place(self, data: np.ndarray, sub: slicing.Box) -> None:
-    rel = tuple(slice(s.start - a, s.stop - a) for s, (a, _) in zip(sub, self.key))
-    # The piece is already admitted; its cast and its device copy (host RAM
-    # on the CPU backend, a staging buffer on GPUs) are admitted here.
-    extra = data.nbytes if data.dtype == self.dtype else data.nbytes + data.size * self.dtype.itemsize
     if self.whole_piece and tuple(data.shape) == tuple(self.shape):
+      # The piece is already admitted; its cast and its device copy (host
+      # RAM on the CPU backend, a staging buffer on GPUs) are admitted here.
+      extra = data.nbytes if data.dtype == self.dtype else data.nbytes + data.size * self.dtype.itemsize
       with self.lim.hold_sync(extra):
         host = data if data.dtype == self.dtype else data.astype(self.dtype)
         self.direct = {d: jax.device_put(host, d) for d in self.devices}
         jax.block_until_ready(list(self.direct.values()))
       return
-    if not self.on_device:
-      self._stage()
-      self.host[rel] = data
-      return
-    starts = np.array([s.start for s in rel], dtype=np.int32)
-    with self.lim.hold_sync(extra):
-      host = data if data.dtype == self.dtype else data.astype(self.dtype)
-      self._allocate()
-      d = self.devices[0]
-      piece = jax.device_put(host, d)
-      self.bufs = _update(self.bufs, piece, starts)
-      self.bufs.block_until_ready()  # the piece's copy is gone before release
-      del piece
-
-  def _allocate(self) -> None:
-    if self.bufs is None:
-      d = self.devices[0]
-      self.bufs = _zeros(tuple(self.shape), np.dtype(self.dtype), d)()
-      self.bufs.block_until_ready()
+    self._stage()
+    self.host[tuple(slice(s.start - a, s.stop - a) for s, (a, _) in zip(sub, self.key))] = data
 
   def result(self) -> dict:
     if self.direct is not None:
       return self.direct
-    if self.on_device:
-      self._allocate()  # nothing saved there (strict=False): zeros
-      out = {self.devices[0]: self.bufs}
-      for d in self.devices[1:]:
-        out[d] = jax.device_put(self.bufs, d)
-        out[d].block_until_ready()
-      return out
     self._stage()  # zero-size, or nothing saved there (strict=False)
     out = {}
     for d in self.devices:
@@ -304,6 +432,33 @@ class _Placer:
       out[d] = jax.device_put(self.host, target)
     jax.block_until_ready(list(out.values()))
     return out
+
+
+def _admit_programs(ctx: ReadContext, leaves) -> tuple[ReadContext, set]:
+  """The read's pieces, sized to leave room for the programs it will compile.
+
+  `leaves`: (shape, dtype, itemsize, sharding) per leaf.  Returns the
+  context to read with and the keys of the new programs, whose bytes the
+  caller holds for the rest of the read.  Smaller pieces can put more shards
+  on their devices (more programs): iterates to a fixed point.
+  """
+  read = ctx
+  while True:
+    new = set().union(*(_programs(*leaf, read.piece_bytes) for leaf in leaves)) - _COMPILED
+    charge = cost.programs_charge(len(new))
+    room = ctx.pieces_capacity_bytes - charge
+    if room < cost.MIN_PIECES_BYTES:
+      raise plan_lib.BudgetTooSmallError(
+          f'This restore fills shards too big for its pieces on their devices,'
+          f' compiling {len(new)} programs that XLA keeps'
+          f' ({text.format_bytes(charge)} of host RAM), and the budget leaves'
+          f' {text.format_bytes(ctx.pieces_capacity_bytes)} for them and the pieces'
+          f' read: raise host_ram_budget by at least'
+          f' {text.format_bytes(cost.MIN_PIECES_BYTES - room)}.')
+    piece = min(ctx.piece_bytes, cost.restore_piece_bytes(room))
+    if piece >= read.piece_bytes:
+      return read, new
+    read = dataclasses.replace(read, piece_bytes=piece)
 
 
 def _open(info, ctx: ReadContext, metadata_key) -> tuple[ts.TensorStore, ts.KvStore]:
@@ -361,17 +516,26 @@ async def read_arrays(handler, infos, args, ctx: ReadContext) -> list[jax.Array]
   loop = asyncio.get_running_loop()
 
   def read_all():
-    out = []
+    leaves = []
     for info, arg, sharding in zip(infos, args, shardings):
       shape, dtype, sharding = compat.orbax.physical_read_spec(arg, sharding)
       t, kv = _open(info, ctx, handler._metadata_key)  # pylint: disable=protected-access
-      src = Source(info.name, t, kv, ctx)
+      stored = np.dtype(t.dtype.numpy_dtype)
       if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-        dtype = src.dtype
-      out.append(fill_array(
-          src, shape if shape is not None else src.shape, dtype, sharding,
-          strict=getattr(arg, 'strict', True), name=info.name,
-          reserve=_orbax_reservation(info.byte_limiter, loop)))
+        dtype = stored
+      shape = tuple(shape) if shape is not None else tuple(int(n) for n in t.shape)
+      leaves.append((info, arg, t, kv, shape, np.dtype(dtype), sharding))
+    read, programs = _admit_programs(ctx, [
+        (shape, dtype, max(dtype.itemsize, np.dtype(t.dtype.numpy_dtype).itemsize), sharding)
+        for _, _, t, _, shape, dtype, sharding in leaves])
+    out = []
+    with ctx.limiter.hold_sync(cost.programs_charge(len(programs))):
+      for info, arg, t, kv, shape, dtype, sharding in leaves:
+        out.append(fill_array(
+            Source(info.name, t, kv, read), shape, dtype, sharding,
+            strict=getattr(arg, 'strict', True), name=info.name,
+            reserve=_orbax_reservation(info.byte_limiter, loop)))
+      _COMPILED.update(programs)
     return out
 
   # Reads block on TensorStore and on the limiter: off the event loop.  The

@@ -102,6 +102,46 @@ def boxes(
       )
 
 
+def _row_cut(shape: Sequence[int], itemsize: int, slice_bytes: int) -> tuple[int, int]:
+  """(axis, rows): the first axis whose trailing run fits, and its rows per box."""
+  k = 0
+  while k < len(shape) - 1 and math.prod(shape[k + 1:]) * itemsize > slice_bytes:
+    k += 1
+  return k, max(1, min(shape[k], slice_bytes // max(1, math.prod(shape[k + 1:]) * itemsize)))
+
+
+def row_box_shape(local_shape: Sequence[int], itemsize: int, slice_bytes: int
+                  ) -> tuple[int, ...]:
+  """The one shape of `row_boxes`' boxes."""
+  shape = [int(n) for n in local_shape]
+  if not shape or 0 in shape:
+    return tuple(shape)
+  k, rows = _row_cut(shape, itemsize, slice_bytes)
+  return (1,) * k + (rows,) + tuple(shape[k + 1:])
+
+
+def row_boxes(local_shape: Sequence[int], itemsize: int, slice_bytes: int):
+  """Boxes of one shape covering `local_shape`, each a C-order run of <= slice_bytes.
+
+  For reads, which need no chunk alignment: whole trailing dims, as many
+  rows as fit.  The last box along the cut axis is moved back to end at the
+  array's end, overlapping its neighbour, so every box has one shape
+  (`row_box_shape`).
+
+    list(row_boxes((10, 4), 4, 64))  # 3 boxes of (4, 4): rows 0-4, 4-8, 6-10
+  """
+  shape = [int(n) for n in local_shape]
+  if not shape or 0 in shape:
+    yield tuple(slice(0, n) for n in shape)
+    return
+  k, rows = _row_cut(shape, itemsize, slice_bytes)
+  for head in itertools.product(*(range(n) for n in shape[:k])):
+    for start in range(0, shape[k], rows):
+      start = min(start, shape[k] - rows)
+      yield (tuple(slice(i, i + 1) for i in head) + (slice(start, start + rows),)
+             + tuple(slice(0, n) for n in shape[k + 1:]))
+
+
 def offset(index: tuple[slice, ...], box: tuple[slice, ...], shape) -> tuple[slice, ...]:
   """`box` (relative to a shard) moved to global coordinates of `index`."""
   out = []

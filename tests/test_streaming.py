@@ -167,3 +167,53 @@ def test_orbax_checkpoint_restores_with_kd_ckpt(tmp_path):
   ref.wait_until_finished()
   back = kd_ckpt.restore(tmp_path / 'ref', _abstract(tree), host_ram_budget=64 * MiB)
   _assert_equal(tree, back)
+
+
+@pytest.mark.parametrize('shape,spec,mesh2d,dtype', [
+    ((8 * 10007, 67), ('x',), False, 'float32'),           # prime rows per shard
+    ((4 * 1999, 2 * 263), ('a', 'b'), True, 'float32'),   # 2-D mesh, prime extents
+    ((4 * 1999, 263), ('a',), True, 'float32'),           # 2 replicas per shard
+    ((50, 2 * 4001, 3), (None, 'b'), True, 'int32'),      # 3-D, the middle axis
+    ((8 * 10007, 131), ('x',), False, 'bfloat16'),         # cast from stored f32
+])
+def test_big_shards_are_filled_in_place_with_one_update_program(
+    tmp_path, shape, spec, mesh2d, dtype):
+  """Shards of more than two pieces are filled on their devices, all shards
+  at once: one update program per leaf, not one per shard shape and device
+  (each kept by XLA, ~1 MiB of host RAM)."""
+  from kd_ckpt import reading, startup  # pylint: disable=g-import-not-at-top
+  startup.start_compiler()
+  m1, m2 = states.meshes()
+  sharding = states.NS(m2 if mesh2d else m1, states.P(*spec))
+  rng = np.random.default_rng(len(shape))
+  value = rng.integers(-1000, 1000, shape).astype(np.float32)
+  d = tmp_path / 'c'
+  kd_ckpt.save(d, {'v': jax.device_put(value, sharding)}, host_ram_budget=128 * MiB,
+               strategy='streaming')
+  target = {'v': jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)}
+  update = reading._update_every_shard(sharding)  # pylint: disable=protected-access
+  programs = update._cache_size()  # pylint: disable=protected-access
+  # 30 MiB leaves the read 6 MiB, 2 of them for the programs: pieces of
+  # ~0.7 MiB, shards of 1-3 MiB.
+  back = kd_ckpt.restore(d, target, host_ram_budget=30 * MiB)['v']
+  assert back.sharding == sharding and back.dtype == np.dtype(dtype)
+  np.testing.assert_array_equal(np.asarray(back), value.astype(dtype))
+  assert update._cache_size() == programs + 1  # pylint: disable=protected-access
+
+
+def test_restore_refuses_before_reading_when_its_programs_do_not_fit(tmp_path):
+  """The programs that fill big shards in place are admitted like buffers:
+  where they and the smallest pieces do not fit, the restore names them."""
+  from kd_ckpt import startup  # pylint: disable=g-import-not-at-top
+  startup.start_compiler()
+  _, m2 = states.meshes()
+  sharding = states.NS(m2, states.P('a', 'b'))
+  shape = (4 * 2003, 2 * 263)  # a shape no other test restores: its programs are new
+  d = tmp_path / 'c'
+  kd_ckpt.save(d, {'v': jax.device_put(np.ones(shape, np.float32), sharding)},
+               host_ram_budget=128 * MiB, strategy='streaming')
+  target = {'v': jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)}
+  with pytest.raises(kd_ckpt.BudgetTooSmallError, match='2 programs that XLA keeps'):
+    kd_ckpt.restore(d, target, host_ram_budget=28 * MiB)
+  back = kd_ckpt.restore(d, target, host_ram_budget=32 * MiB)['v']
+  np.testing.assert_array_equal(np.asarray(back), np.ones(shape, np.float32))
