@@ -117,6 +117,11 @@ def _update_every_shard(sharding: jax.sharding.NamedSharding):
       out_specs=sharding.spec, check_vma=False), donate_argnums=0)
 
 
+def _stored_chunk(t: ts.TensorStore) -> tuple[int, ...]:
+  grid = t.chunk_layout.read_chunk.shape  # None for 0-d arrays
+  return tuple(int(n) for n in (grid if grid is not None else t.shape))
+
+
 class Source:
   """One stored array, read in pieces through TensorStore or `chunkread`."""
 
@@ -126,8 +131,8 @@ class Source:
     self.ctx = ctx
     self.shape = tuple(int(n) for n in t.shape)
     self.dtype = np.dtype(t.dtype.numpy_dtype)
-    grid = t.chunk_layout.read_chunk.shape  # None for 0-d arrays
-    chunk = tuple(int(n) for n in grid) if grid is not None else self.shape
+    chunk = _stored_chunk(t)
+    self.chunk = chunk
     self.chunk_bytes = math.prod(chunk) * self.dtype.itemsize
     # A chunk bigger than a piece is never decoded whole.
     self.stored = None
@@ -200,15 +205,14 @@ class _InPlace:
   """How shards too big for the host are filled on their devices.
 
   A zeros buffer in `sharding` (the leaf's, every shard at once; or one
-  device's, one shard), then one update per piece: the pieces are C-order
-  runs of a shard (`slicing.row_boxes`), all of one shape, so two programs.
+  device's, one shard), then one update per piece: the pieces tile a shard
+  in whole stored chunks where they fit (`slicing.tile_shape`), all of one
+  shape, so two programs.
   """
 
   sharding: Any
   shape: tuple[int, ...]       # the buffer: the leaf, or one shard
   shard: tuple[int, ...]
-  itemsize: int                # the larger of the stored and target itemsizes
-  piece_bytes: int
   piece: tuple[int, ...]       # each piece, in one shard
   dtype: np.dtype
 
@@ -225,7 +229,7 @@ def _split_format(sharding):
   return sharding.sharding, compat.format_layout(sharding)
 
 
-def _placement(shape, dtype, itemsize, sharding, piece_bytes):
+def _placement(shape, dtype, itemsize, chunk, sharding, piece_bytes):
   """(groups, plan): shard box -> devices, and which shards are filled in place.
 
   plan is an `_InPlace` for the whole leaf (every shard at once), or a dict
@@ -254,17 +258,17 @@ def _placement(shape, dtype, itemsize, sharding, piece_bytes):
     # A step holds every device's copy of its piece (host RAM on the CPU
     # backend) and one host piece: within two of the read's pieces.
     piece_bytes = max(2 * piece_bytes // (devices + 2), itemsize)
-    return groups, _InPlace(sharding, tuple(shape), shard, itemsize, piece_bytes,
-                            slicing.row_box_shape(shard, itemsize, piece_bytes), dtype)
+    return groups, _InPlace(sharding, tuple(shape), shard,
+                            slicing.tile_shape(shard, chunk, itemsize, piece_bytes), dtype)
   return groups, {
       key: _InPlace(jax.sharding.SingleDeviceSharding(groups[key][0]), extents[key],
-                    extents[key], itemsize, piece_bytes,
-                    slicing.row_box_shape(extents[key], itemsize, piece_bytes), dtype)
+                    extents[key], slicing.tile_shape(extents[key], chunk, itemsize, piece_bytes),
+                    dtype)
       if big[key] else None for key in groups}
 
 
-def _programs(shape, dtype, itemsize, sharding, piece_bytes) -> set:
-  _, plan = _placement(shape, dtype, itemsize, sharding, piece_bytes)
+def _programs(shape, dtype, itemsize, chunk, sharding, piece_bytes) -> set:
+  _, plan = _placement(shape, dtype, itemsize, chunk, sharding, piece_bytes)
   plans = [plan] if isinstance(plan, _InPlace) else [p for p in plan.values() if p]
   return set().union(*(p.programs for p in plans))
 
@@ -287,7 +291,7 @@ def fill_array(src: Source, shape, dtype, sharding, *, strict: bool, name: str,
   dtype = np.dtype(dtype)
   itemsize = max(dtype.itemsize, src.dtype.itemsize)
   piece = src.ctx.piece_bytes
-  groups, plan = _placement(shape, dtype, itemsize, sharding, piece)
+  groups, plan = _placement(shape, dtype, itemsize, src.chunk, sharding, piece)
   sharding, layout = _split_format(sharding)
   if isinstance(plan, _InPlace):
     return _fill_in_place(src, shape, plan, groups, reserve)
@@ -334,7 +338,7 @@ def _fill_in_place(src: Source, shape, plan: _InPlace, groups, reserve) -> jax.A
   pieces_shape = tuple(f * (n // e) for f, n, e in zip(plan.piece, plan.shape, plan.shard))
   buf = _zeros(plan.shape, dtype, plan.sharding)()
   buf.block_until_ready()
-  for rel in slicing.row_boxes(plan.shard, plan.itemsize, plan.piece_bytes):
+  for rel in slicing.tiles(plan.shard, plan.piece):
     on_devices = {}
     with contextlib.ExitStack() as held:
       for key, devices in groups.items():
@@ -437,7 +441,7 @@ class _HostShard:
 def _admit_programs(ctx: ReadContext, leaves) -> tuple[ReadContext, set]:
   """The read's pieces, sized to leave room for the programs it will compile.
 
-  `leaves`: (shape, dtype, itemsize, sharding) per leaf.  Returns the
+  `leaves`: (shape, dtype, itemsize, stored chunk, sharding) per leaf.  Returns the
   context to read with and the keys of the new programs, whose bytes the
   caller holds for the rest of the read.  Smaller pieces can put more shards
   on their devices (more programs): iterates to a fixed point.
@@ -526,7 +530,8 @@ async def read_arrays(handler, infos, args, ctx: ReadContext) -> list[jax.Array]
       shape = tuple(shape) if shape is not None else tuple(int(n) for n in t.shape)
       leaves.append((info, arg, t, kv, shape, np.dtype(dtype), sharding))
     read, programs = _admit_programs(ctx, [
-        (shape, dtype, max(dtype.itemsize, np.dtype(t.dtype.numpy_dtype).itemsize), sharding)
+        (shape, dtype, max(dtype.itemsize, np.dtype(t.dtype.numpy_dtype).itemsize),
+         _stored_chunk(t), sharding)
         for _, _, t, _, shape, dtype, sharding in leaves])
     out = []
     with ctx.limiter.hold_sync(cost.programs_charge(len(programs))):

@@ -112,7 +112,7 @@ def _row_cut(shape: Sequence[int], itemsize: int, slice_bytes: int) -> tuple[int
 
 def row_box_shape(local_shape: Sequence[int], itemsize: int, slice_bytes: int
                   ) -> tuple[int, ...]:
-  """The one shape of `row_boxes`' boxes."""
+  """A C-order run of <= slice_bytes: whole trailing dims, as many rows as fit."""
   shape = [int(n) for n in local_shape]
   if not shape or 0 in shape:
     return tuple(shape)
@@ -120,26 +120,39 @@ def row_box_shape(local_shape: Sequence[int], itemsize: int, slice_bytes: int
   return (1,) * k + (rows,) + tuple(shape[k + 1:])
 
 
-def row_boxes(local_shape: Sequence[int], itemsize: int, slice_bytes: int):
-  """Boxes of one shape covering `local_shape`, each a C-order run of <= slice_bytes.
+def tile_shape(local_shape: Sequence[int], chunk: Sequence[int], itemsize: int,
+               tile_bytes: int) -> tuple[int, ...]:
+  """The largest box of <= tile_bytes made of whole stored chunks (or one
+  C-order run inside a chunk, when a chunk is bigger), clipped to the shard.
 
-  For reads, which need no chunk alignment: whole trailing dims, as many
-  rows as fit.  The last box along the cut axis is moved back to end at the
-  array's end, overlapping its neighbour, so every box has one shape
-  (`row_box_shape`).
+  Reads of whole chunks decode nothing twice; trailing axes grow first.
 
-    list(row_boxes((10, 4), 4, 64))  # 3 boxes of (4, 4): rows 0-4, 4-8, 6-10
+    slicing.tile_shape((4096, 1024), (512, 1024), 4, 8 << 20)  # (2048, 1024)
   """
   shape = [int(n) for n in local_shape]
   if not shape or 0 in shape:
-    yield tuple(slice(0, n) for n in shape)
-    return
-  k, rows = _row_cut(shape, itemsize, slice_bytes)
-  for head in itertools.product(*(range(n) for n in shape[:k])):
-    for start in range(0, shape[k], rows):
-      start = min(start, shape[k] - rows)
-      yield (tuple(slice(i, i + 1) for i in head) + (slice(start, start + rows),)
-             + tuple(slice(0, n) for n in shape[k + 1:]))
+    return tuple(shape)
+  unit = [max(1, min(int(c), n)) for c, n in zip(chunk, shape)]
+  if math.prod(unit) * itemsize > tile_bytes:
+    return row_box_shape(unit, itemsize, tile_bytes)
+  box = list(unit)
+  for a in reversed(range(len(box))):
+    fit = tile_bytes // (math.prod(box) * itemsize)
+    box[a] = min(shape[a], box[a] * max(1, fit))
+  return tuple(box)
+
+
+def tiles(local_shape: Sequence[int], tile: Sequence[int]):
+  """Boxes of shape `tile` covering `local_shape`; the last one along each
+  axis is moved back to end at the shard's end (overlapping its neighbour),
+  so every box has one shape.
+
+    list(tiles((10, 4), (4, 4)))  # rows 0-4, 4-8, 6-10
+  """
+  shape = [int(n) for n in local_shape]
+  starts = [sorted({min(s, n - t) for s in range(0, n, t)}) for n, t in zip(shape, tile)]
+  for corner in itertools.product(*starts):
+    yield tuple(slice(s, s + t) for s, t in zip(corner, tile))
 
 
 def offset(index: tuple[slice, ...], box: tuple[slice, ...], shape) -> tuple[slice, ...]:
