@@ -39,6 +39,26 @@ def test_slices_tile_the_shard_in_whole_chunks(shape, itemsize, slice_bytes):
   assert (seen == 1).all()
 
 
+@pytest.mark.parametrize('shape,chunk,tile_bytes', [
+    ((4096, 1024), (512, 1024), 8 * MiB), ((8123, 1031), (8123, 1031), 1 * MiB),
+    ((8123, 1031), (8123, 7), 1 * MiB), ((50, 4001, 3), (50, 4001, 3), 64 * 1024),
+    ((1000, 3, 7), (128, 3, 7), 4096), ((97,), (10,), 64), ((5, 5), (2, 2), 10 * MiB),
+])
+def test_restore_pieces_are_one_shape_of_whole_chunks(shape, chunk, tile_bytes):
+  """In-place restore pieces: one shape (one update program), within the
+  bytes, covering the shard, and whole stored chunks where a chunk fits."""
+  tile = slicing.tile_shape(shape, chunk, 4, tile_bytes)
+  assert np.prod(tile) * 4 <= tile_bytes
+  covered = np.zeros(shape, np.int8)
+  for box in slicing.tiles(shape, tile):
+    assert tuple(s.stop - s.start for s in box) == tile
+    covered[box] = 1
+  assert covered.all()
+  unit = [min(c, n) for c, n in zip(chunk, shape)]
+  if np.prod(unit) * 4 <= tile_bytes:  # whole chunks (the last tile may be cut)
+    assert all(t % u == 0 or t == n for t, u, n in zip(tile, unit, shape))
+
+
 # --- the budget, measured in a fresh process -----------------------------------
 
 def _limit(budget):
