@@ -131,9 +131,8 @@ class Source:
     self.ctx = ctx
     self.shape = tuple(int(n) for n in t.shape)
     self.dtype = np.dtype(t.dtype.numpy_dtype)
-    chunk = _stored_chunk(t)
-    self.chunk = chunk
-    self.chunk_bytes = math.prod(chunk) * self.dtype.itemsize
+    self.chunk = _stored_chunk(t)
+    self.chunk_bytes = math.prod(self.chunk) * self.dtype.itemsize
     # A chunk bigger than a piece is never decoded whole.
     self.stored = None
     if self.chunk_bytes > ctx.piece_bytes:
@@ -528,14 +527,15 @@ async def read_arrays(handler, infos, args, ctx: ReadContext) -> list[jax.Array]
       if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
         dtype = stored
       shape = tuple(shape) if shape is not None else tuple(int(n) for n in t.shape)
-      leaves.append((info, arg, t, kv, shape, np.dtype(dtype), sharding))
+      dtype = np.dtype(dtype)
+      leaves.append((info, arg, t, kv, shape, dtype, sharding,
+                     max(dtype.itemsize, stored.itemsize)))
     read, programs = _admit_programs(ctx, [
-        (shape, dtype, max(dtype.itemsize, np.dtype(t.dtype.numpy_dtype).itemsize),
-         _stored_chunk(t), sharding)
-        for _, _, t, _, shape, dtype, sharding in leaves])
+        (shape, dtype, itemsize, _stored_chunk(t), sharding)
+        for _, _, t, _, shape, dtype, sharding, itemsize in leaves])
     out = []
     with ctx.limiter.hold_sync(cost.programs_charge(len(programs))):
-      for info, arg, t, kv, shape, dtype, sharding in leaves:
+      for info, arg, t, kv, shape, dtype, sharding, _ in leaves:
         out.append(fill_array(
             Source(info.name, t, kv, read), shape, dtype, sharding,
             strict=getattr(arg, 'strict', True), name=info.name,
