@@ -168,7 +168,18 @@ class KdArrayHandler(ocp.type_handlers.ArrayHandler):
     self._save_ctx.stats.handler_ran = True
 
   async def deserialize(self, infos, args=None):
-    return await reading.read_arrays(self, infos, args, self._read_ctx)
+    # Leaves small enough are read by Orbax's own reader (`reading`).
+    return await reading.read_arrays(self, infos, args, self._read_ctx,
+                                     stock_read=super().deserialize)
+
+
+def refuse_zero_size(values, infos, fix: str) -> None:
+  """Orbax's refusal of zero-size arrays (its message says 'zero size'), with the fix."""
+  for v, info in zip(values, infos):
+    if 0 in getattr(v, 'shape', ()):
+      raise ValueError(
+          f'Leaf {info.name!r} has zero size {tuple(v.shape)}, which Orbax'
+          f' cannot save. {fix}')
 
 
 class KdNumpyHandler(ocp.type_handlers.NumpyHandler):

@@ -144,6 +144,16 @@ def place_charge(piece_bytes: int) -> int:
   return int(2 * piece_bytes)
 
 
+def stock_read_charge(shard_bytes: int, chunks_bytes: int) -> int:
+  """Orbax's own read of one target shard (`ArrayHandler.deserialize`).
+
+  The shard (in the target dtype), every stored chunk it touches compressed
+  and decoded at once (TensorStore may decode them all concurrently), and
+  the device copy (host RAM on the CPU backend).
+  """
+  return int(2 * shard_bytes + 2 * chunks_bytes)
+
+
 def programs_charge(num_programs: int) -> int:
   """Placement programs a restore compiles, held from their compile to its end."""
   return int(num_programs) * PROGRAM_BYTES
@@ -152,6 +162,22 @@ def programs_charge(num_programs: int) -> int:
 def min_restore_budget_bytes(num_leaves: int = 0) -> int:
   """The smallest budget a restore of `num_leaves` leaves can honour."""
   return FLOOR_BYTES + leaves_charge(num_leaves) + MIN_PIECES_BYTES
+
+
+def chunkread_piece_bytes(piece_bytes: int, state_bytes, itemsize: int = 1) -> int | None:
+  """The largest read piece <= `piece_bytes` that chunkread can use within
+  what `restore_piece_bytes` set aside for it: two pieces plus
+  CHUNKREAD_STATE_BYTES.  `state_bytes(piece)` is the array's own state
+  (`chunkread.StoredArray.state_bytes`: it grows with the piece, and a zstd
+  decoder window can exceed CHUNKREAD_STATE_BYTES alone).  None: none fits.
+  """
+  envelope = 2 * piece_bytes + CHUNKREAD_STATE_BYTES
+  piece = int(piece_bytes)
+  while piece >= max(1, itemsize):
+    if 2 * piece + state_bytes(piece) <= envelope:
+      return piece
+    piece = piece * 7 // 8 if piece > 8 * KiB else piece - max(1, itemsize)
+  return None
 
 
 def restore_piece_bytes(capacity_bytes: int) -> int:

@@ -162,7 +162,7 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     ctx = getattr(args, 'context', None) or context_for(plan)
     if plan.strategy == 'streaming':
       array_handler = streaming.StreamingArrayHandler(
-          save=ctx, primary_host=self._mp.primary_host,
+          save=ctx, store_zero_size=True, primary_host=self._mp.primary_host,
           use_replica_parallel=jax.process_count() > 1,
           min_slice_bytes_for_replica_parallel=cost.MIN_REPLICA_PARALLEL_BYTES)
       kwargs = dict(use_compression=False, enable_pinned_host_transfer=False)

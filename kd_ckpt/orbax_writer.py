@@ -37,12 +37,9 @@ class OrbaxArrayHandler(arrays_lib.KdArrayHandler):
   async def serialize(self, values: Sequence[jax.Array], infos, args=None):
     args = args or [ocp.type_handlers.SaveArgs()] * len(values)
     ocp.type_handlers.check_input_arguments(values, infos, args)
-    for v, info in zip(values, infos):
-      if isinstance(v, jax.Array) and 0 in v.shape:
-        raise ValueError(
-            f'Leaf {info.name!r} has zero size {v.shape}, which Orbax cannot'
-            ' save. Use strategy="auto" or "streaming" (kd_ckpt\'s streaming'
-            ' writer stores zero-size arrays), or drop the leaf.')
+    arrays_lib.refuse_zero_size(
+        values, infos, 'Use strategy="auto" or "streaming" (kd_ckpt\'s streaming'
+        ' writer stores zero-size arrays), or drop the leaf.')
     self.note_written()
     arrays, ext = self.stored_values(values, infos)
     if self.save_context.reuse is not None:

@@ -10,6 +10,12 @@ chunk bigger than a piece (stock Orbax stores a whole shard as one chunk) is
 read in byte ranges or through streaming zstd decompression
 (`chunkread`), never whole.
 
+A leaf whose whole read by Orbax's own `ArrayHandler.deserialize` costs no
+more than one of our pieces (`_stock_charge`: every target shard and every
+stored chunk it touches, at once) is read by it instead, with its charge
+held in the limiter: small leaves then restore exactly as with stock Orbax,
+and concurrently.
+
 Everything else is Orbax's: the tree, the target's types, the shardings
 (`_sharding` when the target has none), typed PRNG keys, casts and
 `strict=False` padding.  `handler.SafePyTreeHandler` plugs these in as the
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import dataclasses
 import functools
 import math
@@ -137,16 +144,30 @@ class Source:
     self.stored = None
     if self.chunk_bytes > ctx.piece_bytes:
       self.stored = chunkread.StoredArray.open(kv, name)
+      # Its state grows with the piece: read in pieces small enough that
+      # pieces and state stay within what the read set aside for them.
+      self.read_bytes = cost.chunkread_piece_bytes(
+          ctx.piece_bytes, self.stored.state_bytes, self.dtype.itemsize)
+      if self.read_bytes is None:
+        need = 2 * self.dtype.itemsize + self.stored.state_bytes(self.dtype.itemsize)
+        # Pieces are a fifth of what the read has (`cost.restore_piece_bytes`).
+        extra = 5 * (-(-(need - cost.CHUNKREAD_STATE_BYTES) // 2) - ctx.piece_bytes)
+        raise plan_lib.BudgetTooSmallError(
+            f'Leaf {name!r} is stored in chunks bigger than this restore\'s pieces'
+            f' ({text.format_bytes(ctx.piece_bytes)}), and reading them in pieces'
+            f' holds {text.format_bytes(need)} of decoder state, more than the'
+            f' budget leaves for it ({text.format_bytes(2 * ctx.piece_bytes + cost.CHUNKREAD_STATE_BYTES)}).'
+            f' Raise host_ram_budget by at least {text.format_bytes(extra)}.')
 
   def pieces(self, box: slicing.Box):
     """(sub_box, host array) covering `box` (global, inside the stored domain)."""
     lim = self.ctx.limiter
     if self.stored is not None:
       # chunkread holds at most two pieces and its state at any time.
-      charge = 2 * self.ctx.piece_bytes + self.stored.state_bytes(self.ctx.piece_bytes)
+      charge = 2 * self.read_bytes + self.stored.state_bytes(self.read_bytes)
       lim.acquire(charge)
       try:
-        yield from self.stored.read_pieces(box, self.ctx.piece_bytes)
+        yield from self.stored.read_pieces(box, self.read_bytes)
       finally:
         lim.release(charge)
       return
@@ -506,8 +527,55 @@ def _orbax_reservation(byte_limiter, loop):
   return reserve
 
 
-async def read_arrays(handler, infos, args, ctx: ReadContext) -> list[jax.Array]:
-  """`ArrayHandler.deserialize`, bounded: Orbax's semantics, kd_ckpt's memory."""
+def _stock_charge(t: ts.TensorStore, shape, dtype, sharding) -> int:
+  """What Orbax's own reader would hold to read this leaf (all its shards at once).
+
+  It reads each distinct local target shard once, whole, decoding every
+  stored chunk the shard touches (`cost.stock_read_charge`).
+  """
+  sharding, _ = _split_format(sharding)
+  stored = np.dtype(t.dtype.numpy_dtype)
+  chunk = _stored_chunk(t)
+  saved = tuple(int(n) for n in t.shape)
+  total = 0
+  for key in _shard_groups(shape, sharding):
+    # strict=False: the part of the shard beyond the saved array reads nothing.
+    inside = tuple(slice(min(a, n), min(b, n)) for (a, b), n in zip(key, saved))
+    chunks = (slicing.aligned_nbytes(inside, chunk, stored.itemsize)
+              if all(s.stop > s.start for s in inside) else 0)
+    total += cost.stock_read_charge(math.prod(b - a for a, b in key) * dtype.itemsize, chunks)
+  return total
+
+
+def _stock_batches(charges: dict[int, int], room: int) -> list[list[int]]:
+  """Consecutive groups of the small leaves whose charges fit `room` together."""
+  batches, batch, held = [], [], 0
+  for i, c in charges.items():
+    if batch and held + c > room:
+      batches.append(batch)
+      batch, held = [], 0
+    batch.append(i)
+    held += c
+  return batches + [batch] if batch else batches
+
+
+def _with_context(info, context: ts.Context):
+  """`info` reading through `context` (the read's small OCDBT node cache)."""
+  info = copy.copy(info)
+  info.ts_context = context
+  return info
+
+
+async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -> list[jax.Array]:
+  """`ArrayHandler.deserialize`, bounded: Orbax's semantics, kd_ckpt's memory.
+
+  A leaf that Orbax's own reader (`stock_read`, the handler's
+  `ArrayHandler.deserialize`) reads for less than one of our pieces costs is
+  read by it: it is Orbax's behaviour exactly, and its reads run
+  concurrently.  Such leaves go in batches whose summed charge
+  (`_stock_charge`) the limiter holds while Orbax reads them.  Every other
+  leaf is filled here, piece by piece.
+  """
   if args is None:
     raise ValueError('Must provide ArrayRestoreArgs to restore as jax.Array.')
   ocp.type_handlers.check_input_arguments(infos, args)
@@ -518,7 +586,7 @@ async def read_arrays(handler, infos, args, ctx: ReadContext) -> list[jax.Array]
   shardings = await compat.orbax.deserialize_shardings(infos, args, sharding_file)
   loop = asyncio.get_running_loop()
 
-  def read_all():
+  def open_all():
     leaves = []
     for info, arg, sharding in zip(infos, args, shardings):
       shape, dtype, sharding = compat.orbax.physical_read_spec(arg, sharding)
@@ -530,6 +598,9 @@ async def read_arrays(handler, infos, args, ctx: ReadContext) -> list[jax.Array]
       dtype = np.dtype(dtype)
       leaves.append((info, arg, t, kv, shape, dtype, sharding,
                      max(dtype.itemsize, stored.itemsize)))
+    return leaves
+
+  def fill_all(leaves):
     read, programs = _admit_programs(ctx, [
         (shape, dtype, itemsize, _stored_chunk(t), sharding)
         for _, _, t, _, shape, dtype, sharding, itemsize in leaves])
@@ -543,16 +614,34 @@ async def read_arrays(handler, infos, args, ctx: ReadContext) -> list[jax.Array]
       _COMPILED.update(programs)
     return out
 
+  out = [None] * len(infos)
   # Reads block on TensorStore and on the limiter: off the event loop.  The
   # leaves' bookkeeping (specs, open TensorStores, results) is admitted first.
-  with ctx.limiter.lease(ctx.capacity_bytes), ctx.limiter.hold_sync(
-      cost.leaves_charge(len(infos))):
-    out = await asyncio.to_thread(read_all)
+  with ctx.limiter.lease(ctx.capacity_bytes):
+    async with ctx.limiter.hold(cost.leaves_charge(len(infos))):
+      leaves = await asyncio.to_thread(open_all)
+      small = {}
+      if stock_read is not None:
+        for i, (_, _, t, _, shape, dtype, sharding, _) in enumerate(leaves):
+          if (c := _stock_charge(t, shape, dtype, sharding)) <= ctx.piece_bytes:
+            small[i] = c
+      rest = [i for i in range(len(infos)) if i not in small]
+      leaves = [leaves[i] for i in rest]  # Orbax opens the small ones itself.
+      for batch in _stock_batches(small, ctx.pieces_capacity_bytes):
+        async with ctx.limiter.hold(sum(small[i] for i in batch)):
+          got = await stock_read([_with_context(infos[i], ctx.ts_context) for i in batch],
+                                 [args[i] for i in batch])
+        for i, arr in zip(batch, got):
+          out[i] = arr
+      filled = await asyncio.to_thread(fill_all, leaves) if rest else []
+      del leaves
   store = handler._array_metadata_store  # pylint: disable=protected-access
-  if store is not None:
+  if store is not None and rest:
     metadatas = await store.read(checkpoint_dir=parent)
     if metadatas:
-      out = list(compat.orbax.wrap_random_key_data(metadatas, infos, out))
+      filled = compat.orbax.wrap_random_key_data(metadatas, [infos[i] for i in rest], filled)
+  for i, arr in zip(rest, filled):
+    out[i] = arr
   return out
 
 

@@ -184,6 +184,12 @@ def nbytes(box: Box, itemsize: int) -> int:
   return math.prod(s.stop - s.start for s in box) * itemsize
 
 
+def aligned_nbytes(box: Box, chunk: Sequence[int], itemsize: int) -> int:
+  """Bytes of the whole chunks of grid `chunk` that `box` touches (what a read decodes)."""
+  return math.prod((-(-s.stop // max(1, c)) - s.start // max(1, c)) * max(1, c)
+                   for s, c in zip(box, chunk)) * itemsize
+
+
 def num_chunks(box: Box, chunk: Sequence[int]) -> int:
   """Chunks of grid `chunk` that `box` (aligned to it) touches."""
   return math.prod(-(-(s.stop - s.start) // max(1, c)) for s, c in zip(box, chunk))

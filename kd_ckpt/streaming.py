@@ -53,19 +53,34 @@ from kd_ckpt import slicing
 TRIM_EVERY_COMMITS = 8
 
 
-def to_host(data: jax.Array, box: slicing.Box) -> np.ndarray:
+def to_host(data: jax.Array, box: slicing.Box, *, pinned: bool = False) -> np.ndarray:
   """One slice of a single-device array, copied into a fresh host buffer.
 
-  On accelerators the slice is cut on the device, then transferred.  On the
-  CPU backend the device buffer *is* host memory: we read it through a
-  zero-copy view and copy the slice explicitly, which is exactly what a GPU
-  host pays (one host buffer per slice) -- no more, no less.
+  A whole shard goes through Orbax's own transfer
+  (`replica_slices.transfer_arrays_to_host`), through pinned host memory
+  when `pinned` (Orbax's `enable_pinned_host_transfer`) and the device has
+  it.  A part of a shard is cut on the device, then transferred the same
+  way.  On the CPU backend the device buffer *is* host memory: a part is
+  read through a zero-copy view (no program compiled per slice), and every
+  slice is copied into its own buffer, which is exactly what a GPU host pays
+  (one host buffer per slice) -- no more, no less.
   """
-  if next(iter(data.devices())).platform == 'cpu':
+  whole = all(s.start == 0 and s.stop == n for s, n in zip(box, data.shape))
+  cpu = next(iter(data.devices())).platform == 'cpu'
+  if cpu and not whole:
     view = np.asarray(data)  # zero-copy on CPU; `data` is a per-shard array.
     return np.array(view[box], copy=True, order='C')
-  piece = data[box] if box else data
-  return np.asarray(jax.device_get(piece))
+  # A fresh device array even for a whole shard: the host copy JAX caches
+  # on an array it converts (`_npy_value`) must die with the slice, not
+  # live on the caller's shard.
+  piece = jax.numpy.array(data, copy=True) if whole else data[box]
+  [host] = compat.orbax.transfer_arrays_to_host(
+      [piece], 0, False, min_slice_bytes_for_replica_parallel=None,
+      max_replicas_for_replica_parallel=None, enable_pinned_host_transfer=pinned)
+  out = np.asarray(host.replica_slices[0].data())
+  if cpu:  # A view of the live device buffer: copy it, as a GPU host would.
+    out = np.array(out, copy=True, order='C')
+  return out
 
 
 def write_context() -> ts.Context:
@@ -98,7 +113,18 @@ def ocdbt_subdir(use_ocdbt: bool) -> int | str | None:
 
 
 class StreamingArrayHandler(arrays_lib.KdArrayHandler):
-  """An Orbax ArrayHandler that writes inside the host limiter."""
+  """An Orbax ArrayHandler that writes inside the host limiter.
+
+  Attributes (constructor arguments, besides `KdArrayHandler`'s):
+    store_zero_size: store zero-size arrays (metadata only; stock Orbax reads
+      them back).  False, as Orbax's own handler: refuse them with Orbax's
+      error, so that code registering this handler in Orbax's place behaves
+      as with Orbax.  `kd_ckpt.save` and `SafePyTreeHandler` store them.
+  """
+
+  def __init__(self, *, store_zero_size: bool = False, **kwargs):
+    super().__init__(**kwargs)
+    self._store_zero_size = store_zero_size
 
   def target_subdir(self):
     return ocdbt_subdir(True)
@@ -106,6 +132,10 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
   async def serialize(self, values: Sequence[jax.Array], infos, args=None):
     args = args or [ocp.type_handlers.SaveArgs()] * len(values)
     ocp.type_handlers.check_input_arguments(values, infos, args)
+    if not self._store_zero_size:
+      arrays_lib.refuse_zero_size(
+          values, infos, 'kd_ckpt.save and SafePyTreeHandler store them'
+          ' (StreamingArrayHandler(store_zero_size=True)); or drop the leaf.')
     ctx = self.save_context
     self.note_written()
     # Slice and encode buffers must go back to the OS when freed, or glibc's
@@ -179,7 +209,8 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
     if limiter is not None and compat.is_unlimited(limiter):
       limiter = None
     return _Prepared(arr, rslices, local_shape, chunk, itemsize, spec,
-                     with_chunk_shape(spec.json, chunk), info.name, limiter)
+                     with_chunk_shape(spec.json, chunk), info.name, limiter,
+                     bool(info.enable_pinned_host_transfer))
 
   async def open_store(self, tspec: dict[str, Any], context: ts.Context) -> ts.TensorStore:
     """Creates the stored array (primary host) and opens it for writing."""
@@ -222,8 +253,10 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
         charge = cost.staged_charge(
             nbytes, chunks=slicing.num_chunks(box, p.chunk),
             contiguous=slicing.contiguous(p.chunk, box))
+        if p.pinned:
+          charge += nbytes  # the pinned staging copy, on hosts that have it
         await pipeline.admit(charge)
-        host = to_host(data, src_box)
+        host = to_host(data, src_box, pinned=p.pinned)
         if host.dtype != target_dtype:
           host = host.astype(target_dtype)
         dst = slicing.offset(tuple(rslice.index), box, p.arr.shape)
@@ -361,6 +394,7 @@ class _Prepared:
   tspec: dict[str, Any]
   name: str
   byte_limiter: Any = None
+  pinned: bool = False  # Orbax's enable_pinned_host_transfer
 
 
 def with_chunk_shape(tspec: dict[str, Any], chunk: tuple[int, ...]) -> dict[str, Any]:

@@ -150,6 +150,16 @@ def make_state(name: str, total_bytes: int):
   return layout(name, total_bytes)
 
 
+def resident_bytes(tree) -> int:
+  """Host RAM the arrays of `tree` hold on the CPU backend: each device buffer
+  once (devices may share one, e.g. Orbax's `device_put` of one host shard)."""
+  seen = {}
+  for x in jax.tree.leaves(tree):
+    for s in getattr(x, 'addressable_shards', ()):
+      seen[s.data.unsafe_buffer_pointer()] = s.data.nbytes
+  return sum(seen.values())
+
+
 def run_worker(*args: str, timeout: int = 600) -> dict:
   """Runs `python -m tests.states ARGS` in a fresh process; returns its JSON."""
   env = dict(os.environ)
@@ -209,8 +219,7 @@ def _worker(argv):
         try:
           back = kd_ckpt.restore(directory, host_ram_budget=as_budget(argv[4]))
           jax.block_until_ready(back)
-          out['restored_bytes'] = sum(s.data.nbytes for x in jax.tree.leaves(back)
-                                      for s in x.addressable_shards)
+          out['restored_bytes'] = resident_bytes(back)
         except kd_ckpt.BudgetTooSmallError as e:
           out['error'] = str(e)
     out['measured_peak_extra_bytes'] = peak.extra_bytes
@@ -255,8 +264,6 @@ def _worker(argv):
     via = argv[5] if len(argv) > 5 else 'api'
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
-    # On CPU every device buffer of the restored arrays is host RAM.
-    restored_bytes = sum(s.data.nbytes for x in jax.tree.leaves(tree) for s in x.addressable_shards)
     del tree
     hostmem.release_free_memory()
     if via == 'ckpt':
@@ -276,7 +283,7 @@ def _worker(argv):
       with hostmem.PeakRss() as peak:
         back = kd_ckpt.restore(directory, abstract, host_ram_budget=budget)
         jax.block_until_ready(back)
-    out = {'peak_extra_bytes': peak.extra_bytes, 'restored_bytes': restored_bytes,
+    out = {'peak_extra_bytes': peak.extra_bytes, 'restored_bytes': resident_bytes(back),
            'budget_bytes': budget_lib.resolve(budget, hostmem.probe())}
   else:
     raise SystemExit(f'unknown mode {mode!r}')

@@ -302,3 +302,21 @@ def test_peak_memory_is_bounded_for_a_512mib_chunk(tmp_path):
       assert result['total'] == rows * (cols or width)
       assert result['biggest'] <= 8 << 20
       assert result['extra'] < 64 << 20
+
+
+@pytest.mark.parametrize('fmt', ORBAX_FORMATS)
+def test_read_pieces_shrink_until_pieces_and_state_fit_what_the_restore_set_aside(
+    orbax_ckpts, fmt):
+  """A restore sets aside two pieces and cost.CHUNKREAD_STATE_BYTES for a
+  chunkread; the state grows with the piece (and a zstd decoder window can
+  outgrow the allowance): the read pieces shrink so the charge fits, or the
+  restore refuses.  Waiting for more than the set-aside hangs the restore."""
+  from kd_ckpt import cost  # pylint: disable=g-import-not-at-top
+  array = chunkread.StoredArray.open(_kv(orbax_ckpts[fmt]), 'f32')
+  for piece in (64 << 10, 1 << 20, 2204672, 3 << 20, 8 << 20, 40 << 20):
+    p = cost.chunkread_piece_bytes(piece, array.state_bytes, 4)
+    assert p is not None and p <= piece
+    assert 2 * p + array.state_bytes(p) <= 2 * piece + cost.CHUNKREAD_STATE_BYTES
+    assert p >= piece // 2  # shrinks a little, not to nothing
+  # A decoder window no budget of these pieces can hold: refused (None).
+  assert cost.chunkread_piece_bytes(1 << 20, lambda p: p + (8 << 20), 4) is None

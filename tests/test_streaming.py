@@ -237,3 +237,73 @@ def test_restore_refuses_before_reading_when_its_programs_do_not_fit(tmp_path):
     kd_ckpt.restore(d, target, host_ram_budget=28 * MiB)
   back = kd_ckpt.restore(d, target, host_ram_budget=32 * MiB)['v']
   np.testing.assert_array_equal(np.asarray(back), np.ones(shape, np.float32))
+
+
+def test_small_leaves_are_read_by_orbaxs_own_reader_in_one_call(tmp_path):
+  """A leaf whose whole Orbax read costs less than one of our pieces is read
+  by Orbax's ArrayHandler.deserialize (its exact behaviour), all such leaves
+  in one call; a bigger one is filled piece by piece."""
+  from unittest import mock  # pylint: disable=g-import-not-at-top
+  m1, _ = states.meshes()
+  big = np.arange(8 * 1024 * 1024, dtype=np.float32).reshape(8 * 1024, 1024)  # 32 MiB
+  tree = {'a': jax.numpy.arange(7.0), 'b': {'k': jax.random.key(3)},
+          'big': jax.device_put(big, states.NS(m1, states.P('x')))}
+  d = tmp_path / 'c'
+  kd_ckpt.save(d, tree, host_ram_budget=64 * MiB, strategy='streaming')
+  stock = ocp.type_handlers.ArrayHandler.deserialize
+  with mock.patch.object(ocp.type_handlers.ArrayHandler, 'deserialize', autospec=True,
+                         side_effect=stock) as spy:
+    back = kd_ckpt.restore(d, _abstract(tree), host_ram_budget=48 * MiB)
+  spy.assert_called_once()
+  _, infos, _ = spy.call_args.args
+  assert sorted(i.name for i in infos) == ['a', 'b.k']
+  np.testing.assert_array_equal(np.asarray(back['big']), big)
+  np.testing.assert_array_equal(np.asarray(back['a']), np.arange(7.0, dtype=np.float32))
+  assert jax.dtypes.issubdtype(back['b']['k'].dtype, jax.dtypes.prng_key)
+  np.testing.assert_array_equal(jax.random.key_data(back['b']['k']),
+                                jax.random.key_data(tree['b']['k']))
+
+
+def _registered_streaming_save(d, tree, **handler_kwargs):
+  """`tree` saved by Orbax's own PyTree handler with kd_ckpt's streaming
+  handler registered for jax.Array, as code plugging it into Orbax does."""
+  from kd_ckpt import arrays, handler, streaming  # pylint: disable=g-import-not-at-top
+  ah = streaming.StreamingArrayHandler(save=arrays.SaveContext.for_budget(64 * MiB),
+                                       **handler_kwargs.pop('array', {}))
+  h = ocp.PyTreeCheckpointHandler(
+      type_handler_registry=handler.registry(ah, arrays.KdNumpyHandler()), **handler_kwargs)
+  with ocp.Checkpointer(h) as ckptr:
+    ckptr.save(d, args=ocp.args.PyTreeSave(tree))
+
+
+def test_streaming_handler_in_orbaxs_place_refuses_zero_size_as_orbax_does(tmp_path):
+  tree = {'empty': jax.numpy.zeros((0, 4)), 'x': jax.numpy.ones((3,))}
+  with pytest.raises(ValueError, match=r"'empty' has zero size .*store_zero_size=True"):
+    _registered_streaming_save(tmp_path / 'refused', tree)
+  assert not (tmp_path / 'refused').exists()
+  _registered_streaming_save(tmp_path / 'c', tree, array=dict(store_zero_size=True))
+  _assert_equal(tree, ocp.StandardCheckpointer().restore(tmp_path / 'c', _abstract(tree)))
+
+
+@pytest.mark.parametrize('pinned', [True, False])
+def test_streaming_transfers_honour_enable_pinned_host_transfer(tmp_path, pinned):
+  """Whole shards reach the host through Orbax's transfer, with the save's
+  enable_pinned_host_transfer (pinned host memory where the device has it)."""
+  from unittest import mock  # pylint: disable=g-import-not-at-top
+  m1, _ = states.meshes()
+  tree = {'w': jax.device_put(np.arange(64 * 32, dtype=np.float32).reshape(64, 32),
+                              states.NS(m1, states.P('x'))), 'b': jax.numpy.ones((5,))}
+  from orbax.checkpoint._src.serialization import replica_slices  # pylint: disable=g-import-not-at-top
+  flags = []
+  real = replica_slices.transfer_arrays_to_host
+
+  def spy(arrays, *args, enable_pinned_host_transfer, **kwargs):
+    flags.append(enable_pinned_host_transfer)
+    return real(arrays, *args, enable_pinned_host_transfer=enable_pinned_host_transfer,
+                **kwargs)
+
+  with mock.patch.object(replica_slices, 'transfer_arrays_to_host', spy):
+    _registered_streaming_save(tmp_path / 'c', tree, enable_pinned_host_transfer=pinned)
+  assert flags and set(flags) == {pinned}
+  assert len(flags) == 8 + 1  # one whole shard per device of 'w', and 'b'
+  _assert_equal(tree, ocp.StandardCheckpointer().restore(tmp_path / 'c', _abstract(tree)))
