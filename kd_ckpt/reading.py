@@ -293,6 +293,16 @@ def _programs(shape, dtype, itemsize, chunk, sharding, piece_bytes) -> set:
   return set().union(*(p.programs for p in plans))
 
 
+def check_shape(name: str, shape, stored_shape, strict: bool) -> None:
+  """Raises naming the leaf when a strict restore asks for another shape."""
+  if strict and tuple(shape) != tuple(stored_shape):
+    raise ValueError(
+        f'Leaf {name!r}: the requested shape {tuple(shape)} is not compatible with'
+        f' the stored shape {tuple(stored_shape)}. Pass a target with the saved shape'
+        ' (`python -m kd_ckpt inspect DIR` lists them), or restore with'
+        ' strict=False to pad or truncate.')
+
+
 def fill_array(src: Source, shape, dtype, sharding, *, strict: bool, name: str,
                reserve=None) -> jax.Array:
   """A jax.Array of `shape` in `sharding`, filled from `src` within the limiter.
@@ -302,12 +312,7 @@ def fill_array(src: Source, shape, dtype, sharding, *, strict: bool, name: str,
   The placement programs it compiles are admitted by the caller
   (`_admit_programs`).
   """
-  if strict and tuple(shape) != src.shape:
-    raise ValueError(
-        f'Leaf {name!r}: the requested shape {tuple(shape)} is not compatible with'
-        f' the stored shape {src.shape}. Pass a target with the saved shape'
-        ' (`python -m kd_ckpt inspect DIR` lists them), or restore with'
-        ' strict=False to pad or truncate.')
+  check_shape(name, shape, src.shape, strict)
   dtype = np.dtype(dtype)
   itemsize = max(dtype.itemsize, src.dtype.itemsize)
   piece = src.ctx.piece_bytes
@@ -595,6 +600,8 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
       if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
         dtype = stored
       shape = tuple(shape) if shape is not None else tuple(int(n) for n in t.shape)
+      # Before any leaf is read, by us or by Orbax (whose error names no leaf).
+      check_shape(info.name, shape, t.shape, getattr(arg, 'strict', True))
       dtype = np.dtype(dtype)
       leaves.append((info, arg, t, kv, shape, dtype, sharding,
                      max(dtype.itemsize, stored.itemsize)))

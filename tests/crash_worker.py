@@ -170,12 +170,12 @@ def _install(point: str, strategy: str) -> None:
     kill_at = _mid_slice()
 
     def make(orig):
-      def to_host(data, box):
+      def to_host(data, box, **kwargs):
         if _armed and tuple(data.shape) == BIG_SHAPE:
           big_slices[0] += 1
           if big_slices[0] == kill_at:
             _die(point)
-        return orig(data, box)
+        return orig(data, box, **kwargs)
       return to_host
     wrap(streaming, 'to_host', make)
   elif point == 'write':
