@@ -42,6 +42,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import math
@@ -67,6 +68,9 @@ def _zstd():
 _MIN_READ = 64 << 10  # kvstore reads are at least this long (when possible)
 _MAX_WINDOW = 2 << 20  # compressed bytes per kvstore read when streaming
 _MAX_SKIP = 1 << 20  # buffer for decompressed bytes that are dropped
+# A zstd decoder context beyond its window (zstd's DCtx is ~100 KiB), with
+# the stream reader's own buffers.
+_DCTX_BYTES = 256 << 10
 _MAX_READS = 4096  # raw byte-range reads in flight
 _SMALL_ROW = 4096  # raw: rows up to this size are read whole (fewer reads)
 _ABSENT = 2**64 - 1  # sharding index entry of an absent inner chunk
@@ -207,6 +211,11 @@ class StoredArray:
     self.chunk_nbytes = math.prod(self.chunk_shape) * stored.itemsize
     self._storage_shape = self.chunk_shape[::-1 if self.order == 'F' else 1]
     self._index_cache = (None, None)
+    # zstd decoders kept between `read_pieces` calls (most recent last): a
+    # read at or after a decoder's position resumes it instead of
+    # decompressing the chunk again from its start.
+    self._cursors: collections.OrderedDict[Any, _Cursor] = collections.OrderedDict()
+    self.max_cursors = 1
 
   @classmethod
   def open(cls, kvstore: ts.KvStore, name: str) -> StoredArray:
@@ -262,6 +271,37 @@ class StoredArray:
       return 3 * max(limit // 4, _MIN_READ)
     window = min(max(limit // 4, _MIN_READ), _MAX_WINDOW)
     return 3 * window + min(limit, _MAX_SKIP) + self._decoder_window()
+
+  def cursor_bytes(self, max_piece_bytes: int) -> int:
+    """What one decoder kept between calls holds (bytes), at most; 0 if raw.
+
+    Its window, the last compressed read it was fed, its context.  Up to
+    `max_cursors` are kept (the least recently used is closed first).
+    """
+    if not self.compressed:
+      return 0
+    limit = max(int(max_piece_bytes), self.dtype.itemsize)
+    return (self._decoder_window() + min(max(limit // 4, _MIN_READ), _MAX_WINDOW)
+            + _DCTX_BYTES)
+
+  def close(self) -> None:
+    """Closes the decoders kept between calls (their memory goes)."""
+    while self._cursors:
+      self._cursors.popitem()[1].close()
+
+  def _cursor(self, blob: '_Blob', start: int, window: int) -> '_Cursor':
+    """The kept decoder of `blob` if it is at or before `start`, else a new one."""
+    key = (blob.key, blob.offset)
+    cur = self._cursors.pop(key, None)
+    if cur is not None and cur.pos > start:
+      cur.close()
+      cur = None
+    if cur is None:
+      while len(self._cursors) >= max(1, self.max_cursors):
+        self._cursors.popitem(last=False)[1].close()
+      cur = _Cursor(self, blob, window)
+    self._cursors[key] = cur
+    return cur
 
   def _decoder_window(self) -> int:
     """zstd window of this array's frames (first chunk); 8 MiB if unknown."""
@@ -443,18 +483,23 @@ class StoredArray:
         slice(lo[j], hi[j]) for j in range(k + 1, n))
     window = min(max(limit // 4, _MIN_READ), _MAX_WINDOW)
     skip = memoryview(bytearray(min(limit, _MAX_SKIP)))
-    pos = 0
-    with _zstd().ZstdDecompressor().stream_reader(
-        _Source(self, blob), read_size=window) as reader:
-      for plo, phi in _split(lo, hi, k, q):
-        start = sum(plo[j] * stride[j] for j in range(k + 1))
-        while pos < start:  # decompress and drop the bytes before the slab
-          pos += self._fill_from(reader, skip[:min(len(skip), start - pos)])
+    cur = None
+    for plo, phi in _split(lo, hi, k, q):
+      start = sum(plo[j] * stride[j] for j in range(k + 1))
+      cur = cur or self._cursor(blob, start, window)
+      try:
+        while cur.pos < start:  # decompress and drop the bytes before the slab
+          cur.pos += self._fill_from(cur.reader, skip[:min(len(skip), start - cur.pos)])
         slab = np.empty((1,) * k + (phi[k] - plo[k],) + tuple(c[k + 1:]),
                         self._stored)
-        pos += self._fill_from(reader, slab.reshape(-1).view(np.uint8))
-        yield (plo, phi), slab[cut]
-        del slab
+        cur.pos += self._fill_from(cur.reader, slab.reshape(-1).view(np.uint8))
+      except BaseException:
+        # Its position is unknown now: never resume it.
+        self._cursors.pop((blob.key, blob.offset), None)
+        cur.close()
+        raise
+      yield (plo, phi), slab[cut]
+      del slab
 
   def _fill_from(self, reader, buf) -> int:
     done, view = 0, memoryview(buf)
@@ -465,6 +510,18 @@ class StoredArray:
                          'checkpoint is corrupt.')
       done += got
     return done
+
+
+class _Cursor:
+  """A zstd chunk's stream decoder and how far into the chunk it has decoded."""
+
+  def __init__(self, array: StoredArray, blob: '_Blob', window: int):
+    self.reader = _zstd().ZstdDecompressor().stream_reader(
+        _Source(array, blob), read_size=window)
+    self.pos = 0
+
+  def close(self) -> None:
+    self.reader.close()
 
 
 class _Source:

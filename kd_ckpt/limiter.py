@@ -154,7 +154,10 @@ class HostLimiter:
       waiters, self._waiters = self._waiters, []
       self._cond.notify_all()
     for loop, fut in waiters:
-      loop.call_soon_threadsafe(_resolve, fut)
+      try:
+        loop.call_soon_threadsafe(_resolve, fut)
+      except RuntimeError:  # Its loop is closed: nobody waits on it any more.
+        pass
 
   @contextlib.asynccontextmanager
   async def hold(self, nbytes: int) -> AsyncIterator[None]:

@@ -142,14 +142,15 @@ class Source:
     self.chunk_bytes = math.prod(self.chunk) * self.dtype.itemsize
     # A chunk bigger than a piece is never decoded whole.
     self.stored = None
+    self.cursors, self._held = 1, 0
     if self.chunk_bytes > ctx.piece_bytes:
       self.stored = chunkread.StoredArray.open(kv, name)
       # Its state grows with the piece: read in pieces small enough that
-      # pieces and state stay within what the read set aside for them.
-      self.read_bytes = cost.chunkread_piece_bytes(
-          ctx.piece_bytes, self.stored.state_bytes, self.dtype.itemsize)
+      # pieces, state and the kept decoder stay within what the read set
+      # aside for them.
+      self.read_bytes = self._read_bytes(1)
       if self.read_bytes is None:
-        need = 2 * self.dtype.itemsize + self.stored.state_bytes(self.dtype.itemsize)
+        need = 2 * self.dtype.itemsize + self._state_bytes(1)(self.dtype.itemsize)
         # Pieces are a fifth of what the read has (`cost.restore_piece_bytes`).
         extra = 5 * (-(-(need - cost.CHUNKREAD_STATE_BYTES) // 2) - ctx.piece_bytes)
         raise plan_lib.BudgetTooSmallError(
@@ -159,10 +160,48 @@ class Source:
             f' budget leaves for it ({text.format_bytes(2 * ctx.piece_bytes + cost.CHUNKREAD_STATE_BYTES)}).'
             f' Raise host_ram_budget by at least {text.format_bytes(extra)}.')
 
+  def _state_bytes(self, cursors: int):
+    return lambda p: self.stored.state_bytes(p) + cursors * self.stored.cursor_bytes(p)
+
+  def _read_bytes(self, cursors: int) -> int | None:
+    return cost.chunkread_piece_bytes(self.ctx.piece_bytes, self._state_bytes(cursors),
+                                      self.dtype.itemsize)
+
+  def keep_decoders(self, n: int) -> None:
+    """Keeps up to `n` zstd decoders between reads where they fit (else one).
+
+    A read that interleaves `n` stored chunks (every shard's next piece in
+    turn) would otherwise decompress each chunk again from its start for
+    every piece: time quadratic in the chunk-to-piece ratio.
+    """
+    if self.stored is None or not self.stored.compressed or n <= 1 or self._held:
+      return
+    if (read := self._read_bytes(n)) is not None:
+      self.read_bytes, self.cursors = read, n
+      self.stored.max_cursors = n
+
+  def close(self) -> None:
+    """Closes the kept decoders and releases what they held."""
+    if self.stored is not None:
+      self.stored.close()
+    if self._held:
+      self.ctx.limiter.release(self._held)
+      self._held = 0
+
+  def __enter__(self) -> 'Source':
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
   def pieces(self, box: slicing.Box):
     """(sub_box, host array) covering `box` (global, inside the stored domain)."""
     lim = self.ctx.limiter
     if self.stored is not None:
+      if not self._held and self.stored.compressed:
+        # The decoders kept between reads, until `close()`.
+        self._held = self.cursors * self.stored.cursor_bytes(self.read_bytes)
+        lim.acquire(self._held)
       # chunkread holds at most two pieces and its state at any time.
       charge = 2 * self.read_bytes + self.stored.state_bytes(self.read_bytes)
       lim.acquire(charge)
@@ -319,6 +358,7 @@ def fill_array(src: Source, shape, dtype, sharding, *, strict: bool, name: str,
   groups, plan = _placement(shape, dtype, itemsize, src.chunk, sharding, piece)
   sharding, layout = _split_format(sharding)
   if isinstance(plan, _InPlace):
+    src.keep_decoders(len(groups))  # every shard's next piece in turn
     return _fill_in_place(src, shape, plan, groups, reserve)
   memory_kind = getattr(sharding, 'memory_kind', None)
   shards = {}
@@ -614,10 +654,10 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
     out = []
     with ctx.limiter.hold_sync(cost.programs_charge(len(programs))):
       for info, arg, t, kv, shape, dtype, sharding, _ in leaves:
-        out.append(fill_array(
-            Source(info.name, t, kv, read), shape, dtype, sharding,
-            strict=getattr(arg, 'strict', True), name=info.name,
-            reserve=_orbax_reservation(info.byte_limiter, loop)))
+        with Source(info.name, t, kv, read) as src:
+          out.append(fill_array(
+              src, shape, dtype, sharding, strict=getattr(arg, 'strict', True),
+              name=info.name, reserve=_orbax_reservation(info.byte_limiter, loop)))
       _COMPILED.update(programs)
     return out
 
@@ -663,14 +703,14 @@ async def read_numpy(handler, infos, args, ctx: ReadContext) -> list[np.ndarray]
     out = []
     for info, arg in zip(infos, args):
       t, kv = _open(info, ctx, handler._metadata_key)  # pylint: disable=protected-access
-      src = Source(info.name, t, kv, ctx)
-      dtype = np.dtype(arg.dtype) if getattr(arg, 'dtype', None) is not None else src.dtype
-      result = np.empty(src.shape, dtype)  # the restored value itself
-      itemsize = max(dtype.itemsize, src.dtype.itemsize)
-      grid = slicing.chunk_shape(src.shape, itemsize, ctx.piece_bytes)
-      for box in slicing.boxes(src.shape, grid, itemsize, ctx.piece_bytes):
-        for sub, data in src.pieces(box):
-          result[sub] = data
+      with Source(info.name, t, kv, ctx) as src:
+        dtype = np.dtype(arg.dtype) if getattr(arg, 'dtype', None) is not None else src.dtype
+        result = np.empty(src.shape, dtype)  # the restored value itself
+        itemsize = max(dtype.itemsize, src.dtype.itemsize)
+        grid = slicing.chunk_shape(src.shape, itemsize, ctx.piece_bytes)
+        for box in slicing.boxes(src.shape, grid, itemsize, ctx.piece_bytes):
+          for sub, data in src.pieces(box):
+            result[sub] = data
       out.append(result)
     return out
 

@@ -157,6 +157,12 @@ def check_leaf(directory: epath.Path, rec: integrity.LeafRecord, ctx: reading.Re
     src = reading.open_stored(directory, rec.name, ctx)
   except Exception as e:  # pylint: disable=broad-exception-caught
     return LeafCheck(rec.name, rec.path, UNREADABLE, 0, f'cannot open: {_short(e)}')
+  with src:  # its kept decoders go when the leaf is checked
+    return _check_boxes(src, rec, dtype, ctx)
+
+
+def _check_boxes(src: reading.Source, rec: integrity.LeafRecord, dtype,
+                 ctx: reading.ReadContext) -> LeafCheck:
   if tuple(src.shape) != tuple(rec.shape):
     return LeafCheck(rec.name, rec.path, CORRUPT, 0,
                      f'stored shape {tuple(src.shape)} != recorded {tuple(rec.shape)}')

@@ -320,3 +320,44 @@ def test_read_pieces_shrink_until_pieces_and_state_fit_what_the_restore_set_asid
     assert p >= piece // 2  # shrinks a little, not to nothing
   # A decoder window no budget of these pieces can hold: refused (None).
   assert cost.chunkread_piece_bytes(1 << 20, lambda p: p + (8 << 20), 4) is None
+
+
+def test_kept_decoders_decompress_each_zstd_chunk_once(tmp_path):
+  """Reads of consecutive boxes resume the chunk's decoder: each compressed
+  byte is fetched about once, whether one chunk is read in order or several
+  are interleaved (with a decoder kept per chunk).  Without kept decoders
+  every box restarts from the chunk's start (quadratic)."""
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top,redefined-outer-name,reimported
+  rng = np.random.default_rng(1)
+  value = rng.integers(-50, 50, (2 * 512, 1024)).astype(np.float32)  # 2 chunks of 2 MiB
+  mesh = Mesh(np.array(jax.devices()[:2]), ('x',))
+  ckptr = ocp.StandardCheckpointer()
+  ckptr.save(tmp_path / 'c', {'w': jax.device_put(value, NamedSharding(mesh, P('x')))})
+  ckptr.wait_until_finished()
+  kv = _kv(tmp_path / 'c')
+
+  def fetched(order, max_cursors):
+    array = chunkread.StoredArray.open(kv, 'w')
+    assert array.compressed and array.chunk_shape == (512, 1024)
+    array.max_cursors = max_cursors
+    total, read = [0], array._read  # pylint: disable=protected-access
+
+    def counting(blob, a=0, b=None):
+      f = read(blob, a, b)
+      total[0] += len(f.result().value)
+      return f
+
+    array._read = counting  # pylint: disable=protected-access
+    for rows in order:
+      for sub, data in array.read_pieces((rows, slice(None)), 128 << 10):
+        np.testing.assert_array_equal(data, value[sub])
+    array.close()
+    return total[0]
+
+  stored = sum(len(kv.read(k).result().value) for k in [b'w/0.0', b'w/1.0'])
+  steps = [slice(i * 32, i * 32 + 32) for i in range(16)]
+  in_order = [slice(c * 512 + s.start, c * 512 + s.stop) for c in range(2) for s in steps]
+  interleaved = [slice(c * 512 + s.start, c * 512 + s.stop) for s in steps for c in range(2)]
+  assert fetched(in_order, 1) < 1.3 * stored
+  assert fetched(interleaved, 2) < 1.3 * stored
+  assert fetched(interleaved, 1) > 4 * stored  # one decoder for two chunks restarts
