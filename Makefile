@@ -11,6 +11,9 @@
 #                      128 MiB grid, 50-save soaks, 2 processes, reuse; ~10 min
 #                      on 2 cores; exits 1 if kd_ckpt misses a target
 #   make bench-full    bench/run.py --full: the same with the grid at 512 MiB
+#   make bench-restore-stock   a checkpoint stock Orbax wrote (one zstd chunk
+#                      per shard), restored by Orbax and by kd_ckpt at
+#                      64-256 MiB: seconds and peaks; ~1 min
 #   make test-orbax-peer ORBAX_SRC=DIR   Orbax's own handler test suites, with
 #                      stock Orbax and with kd_ckpt plugged in (each strategy)
 #   make constraints   re-pin constraints.txt from the current .venv
@@ -34,7 +37,7 @@ DEMO_DEVICES ?= 8
 DEMO_CFG := configs/gemma_lora.py
 PLAN_ARGS ?=
 
-.PHONY: test test-fast test-orbax-peer demo bench bench-full calibrate plan constraints venv clean
+.PHONY: test test-fast test-orbax-peer demo bench bench-full calibrate bench-restore-stock plan constraints venv clean
 
 venv: $(STAMP)
 
@@ -84,6 +87,9 @@ bench-full: $(STAMP)
 # Re-measures the fixed costs behind kd_ckpt/cost.py (~30 s).
 calibrate: $(STAMP)
 	$(PY) bench/calibrate.py
+
+bench-restore-stock: $(STAMP)
+	$(PY) bench/restore_stock.py --out bench/results/restore_stock.md
 
 plan: $(STAMP)
 	$(PY) -m kd_ckpt plan --cfg=$(DEMO_CFG) $(PLAN_ARGS)

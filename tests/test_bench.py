@@ -530,3 +530,20 @@ def test_parse_kauldron_saved_line():
       ' (0.00 GB/s)')
   assert first['bytes_reused'] == 0 and first['report_peak_extra_bytes'] == 1 << 30
   assert first['settings'] == 'slices of 6.00 MiB, limiter 40.00 MiB'
+
+
+@pytest.mark.slow
+def test_restore_stock_smoke(tmp_path):
+  """bench/restore_stock.py: a stock Orbax checkpoint restored by Orbax and
+  by kd_ckpt below the shard size, bit-exact (the script checks), one row each."""
+  out = tmp_path / 'r.md'
+  proc = subprocess.run(
+      [sys.executable, str(BENCH / 'restore_stock.py'), '--gib', '0.0625',
+       '--budgets', '48MiB', '--out', str(out)],
+      capture_output=True, text=True, timeout=900, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [l for l in out.read_text().splitlines() if l.startswith('| 1 device') or
+          l.startswith('| 8 devices')]
+  assert [r.split('|')[2].strip() for r in rows] == ['Orbax', 'kd_ckpt @48MiB'] * 2
+  beyond = [float(r.split('|')[5].split()[0]) for r in rows if 'kd_ckpt' in r]
+  assert all(b <= 48 + 8 for b in beyond), rows  # the budget, + the tests' tolerance
