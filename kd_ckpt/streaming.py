@@ -70,15 +70,17 @@ def to_host(data: jax.Array, box: slicing.Box, *, pinned: bool = False) -> np.nd
   if cpu and not whole:
     view = np.asarray(data)  # zero-copy on CPU; `data` is a per-shard array.
     return np.array(view[box], copy=True, order='C')
-  # A fresh device array even for a whole shard: the host copy JAX caches
-  # on an array it converts (`_npy_value`) must die with the slice, not
-  # live on the caller's shard.
-  piece = jax.numpy.array(data, copy=True) if whole else data[box]
+  # On an accelerator, a fresh device array even for a whole shard: the host
+  # copy JAX caches on an array it converts (`_npy_value`) must die with the
+  # slice, not live on the caller's shard.  On CPU that cache is a zero-copy
+  # view: the shard itself is handed over.
+  piece = data if cpu else jax.numpy.array(data, copy=True) if whole else data[box]
   [host] = compat.orbax.transfer_arrays_to_host(
       [piece], 0, False, min_slice_bytes_for_replica_parallel=None,
       max_replicas_for_replica_parallel=None, enable_pinned_host_transfer=pinned)
   out = np.asarray(host.replica_slices[0].data())
-  if cpu:  # A view of the live device buffer: copy it, as a GPU host would.
+  if cpu and out.ctypes.data == piece.unsafe_buffer_pointer():
+    # A view of the live device buffer: copy it, as a GPU host would.
     out = np.array(out, copy=True, order='C')
   return out
 
