@@ -86,6 +86,11 @@ class _Blob(NamedTuple):
   size: int | None = None
 
 
+def _zstd_window(limit: int) -> int:
+  """Compressed bytes fed to a zstd decoder per kvstore read, for pieces of `limit`."""
+  return min(max(limit // 4, _MIN_READ), _MAX_WINDOW)
+
+
 def _unsupported(name: str, what: str) -> NotImplementedError:
   return NotImplementedError(
       f'array {name!r}: {what} is not supported by kd_ckpt.chunkread; read '
@@ -269,8 +274,7 @@ class StoredArray:
     limit = max(int(max_piece_bytes), self.dtype.itemsize)
     if not self.compressed:
       return 3 * max(limit // 4, _MIN_READ)
-    window = min(max(limit // 4, _MIN_READ), _MAX_WINDOW)
-    return 3 * window + min(limit, _MAX_SKIP) + self._decoder_window()
+    return 3 * _zstd_window(limit) + min(limit, _MAX_SKIP) + self._decoder_window()
 
   def cursor_bytes(self, max_piece_bytes: int) -> int:
     """What one decoder kept between calls holds (bytes), at most; 0 if raw.
@@ -281,8 +285,7 @@ class StoredArray:
     if not self.compressed:
       return 0
     limit = max(int(max_piece_bytes), self.dtype.itemsize)
-    return (self._decoder_window() + min(max(limit // 4, _MIN_READ), _MAX_WINDOW)
-            + _DCTX_BYTES)
+    return self._decoder_window() + _zstd_window(limit) + _DCTX_BYTES
 
   def close(self) -> None:
     """Closes the decoders kept between calls (their memory goes)."""
@@ -481,7 +484,7 @@ class StoredArray:
     k, q = _level(c, s, limit)
     cut = (slice(None),) * (k + 1) + tuple(
         slice(lo[j], hi[j]) for j in range(k + 1, n))
-    window = min(max(limit // 4, _MIN_READ), _MAX_WINDOW)
+    window = _zstd_window(limit)
     skip = memoryview(bytearray(min(limit, _MAX_SKIP)))
     cur = None
     for plo, phi in _split(lo, hi, k, q):
