@@ -22,7 +22,8 @@ from kd_ckpt.api import save
 from kd_ckpt.budget import AUTO_FRACTION
 from kd_ckpt.budget import parse as parse_budget
 from kd_ckpt.compat import IncompatibleVersionError
-from kd_ckpt.disk import DiskFullError
+from kd_ckpt.storage import DiskFullError
+from kd_ckpt.storage import UnsupportedStorageError
 from kd_ckpt.exchange import ExchangeTimeoutError
 from kd_ckpt.handler import SafePyTreeHandler
 from kd_ckpt.handler import SafeRestore
@@ -63,6 +64,7 @@ __all__ = [
     'SafeSave',
     'SavePlan',
     'SaveReport',
+    'UnsupportedStorageError',
     'VerifyReport',
     'find_checkpoint',
     'inspect',

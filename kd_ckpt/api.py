@@ -27,6 +27,7 @@ from kd_ckpt import handler as handler_lib
 from kd_ckpt import inspecting
 from kd_ckpt import report as report_lib
 from kd_ckpt import session as session_lib
+from kd_ckpt import storage
 from kd_ckpt import verifying
 
 
@@ -68,9 +69,12 @@ def save(
     DiskFullError: the filesystem has no room, before writing or during it;
       the partial files are removed either way.
   """
-  path = epath.Path(directory)
   # Every check happens before anything is written.
-  if path.exists():
+  storage.check_supported(directory)
+  path = epath.Path(directory)
+  # What a killed save of this directory left (gs://: no commit file) is no
+  # checkpoint: process 0 removes it in `check_disk` below.
+  if path.exists() and not storage.is_unfinished(path):
     raise FileExistsError(
         f'Checkpoint directory {os.fspath(directory)!r} already exists.'
         ' kd_ckpt never overwrites a checkpoint: pass a new directory (e.g.'

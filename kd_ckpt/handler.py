@@ -43,6 +43,7 @@ from kd_ckpt import orbax_writer
 from kd_ckpt import plan as plan_lib
 from kd_ckpt import reuse as reuse_lib
 from kd_ckpt import startup
+from kd_ckpt import storage
 from kd_ckpt import streaming
 from kd_ckpt import text
 from kd_ckpt import tree as tree_lib
@@ -366,8 +367,7 @@ _STORED_TYPES = ('jax.Array', 'np.ndarray', 'scalar')
 
 def _disk_full_or(e: BaseException, directory) -> BaseException:
   """A full disk as kd_ckpt's DiskFullError (an OSError: Kauldron does not retry it)."""
-  from kd_ckpt import disk  # pylint: disable=g-import-not-at-top
-  if isinstance(e, disk.DiskFullError) or not disk.is_disk_full(e):
+  if isinstance(e, storage.DiskFullError) or not storage.is_disk_full(e):
     return e
   target = directory.path if hasattr(directory, 'path') else directory
-  return disk.DiskFullError.during_save(target, None)
+  return storage.DiskFullError.during_save(target, None)

@@ -25,8 +25,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from kd_ckpt import disk
 from kd_ckpt import report as report_lib
+from kd_ckpt import storage
 from kd_ckpt import text
 from kd_ckpt import tree as tree_lib
 
@@ -45,12 +45,16 @@ def checkpoint_dir(directory) -> epath.Path:
     raise FileNotFoundError(
         f'No checkpoint at {os.fspath(directory)!r}. Check the path (for a'
         ' Kauldron step, point at its item folder, e.g. ckpt_100/default).')
-  if disk.TMP_MARKER in path.name:
-    # Even with a complete _METADATA (killed just before the rename), a
-    # temporary directory is never a checkpoint: nothing vouches for it.
+  if storage.is_unfinished(path):
+    # Even with a complete _METADATA (killed just before the rename or the
+    # commit file), an unfinished save is never a checkpoint: nothing vouches
+    # for it.
+    what = ('Orbax temporary directory' if storage.TMP_MARKER in path.name else
+            f'no {storage.COMMIT_FILE}, which Orbax writes last on {storage.scheme(path)}://')
     raise ValueError(
-        f'{path} is an unfinished save (Orbax temporary directory), never'
-        ' a checkpoint. Restore the step without the suffix, or an earlier one.')
+        f'{path} is an unfinished save ({what}), never a checkpoint. Restore'
+        ' a finished step (`python -m kd_ckpt inspect` finds the latest), or an'
+        ' earlier one.')
   if (path / '_METADATA').exists():
     return path
   hint = ''
@@ -62,7 +66,7 @@ def checkpoint_dir(directory) -> epath.Path:
 
 
 def _is_step_dir(path: epath.Path) -> bool:
-  return (path / 'default' / '_METADATA').is_file()
+  return (path / 'default' / '_METADATA').is_file() and not storage.is_unfinished(path)
 
 
 def find_checkpoint(directory) -> tuple[epath.Path, epath.Path | None]:
@@ -78,11 +82,12 @@ def find_checkpoint(directory) -> tuple[epath.Path, epath.Path | None]:
     return path / 'default', path
   if (path / 'checkpoints').is_dir():
     path = path / 'checkpoints'
-  # Finished steps only: Orbax renames `<name>.orbax-checkpoint-tmp*` at the end.
+  # Finished steps only: Orbax renames `<name>.orbax-checkpoint-tmp*` at the
+  # end (local), or writes `commit_success.txt` last (gs://).
   steps = sorted(
       (int(m.group(1)), p) for p in path.iterdir()
       if (m := _STEP_DIR_RE.match(p.name))
-      and (_is_step_dir(p) or (p / '_METADATA').is_file()))
+      and (_is_step_dir(p) or ((p / '_METADATA').is_file() and not storage.is_unfinished(p))))
   if steps:
     step_dir = steps[-1][1]
     return (step_dir / 'default', step_dir) if _is_step_dir(step_dir) else (step_dir, step_dir)
@@ -207,13 +212,6 @@ def read_report(item_dir, step_dir=None) -> report_lib.SaveReport | None:
   return None
 
 
-def _disk_bytes(directory) -> int:
-  total = 0
-  for root, _, files in os.walk(os.fspath(directory)):
-    total += sum(os.stat(os.path.join(root, f)).st_size for f in files)
-  return total
-
-
 def inspect(directory) -> CheckpointInfo:
   """Describes the checkpoint at (or under) `directory`; reads no array data."""
   item_dir, step_dir = find_checkpoint(directory)
@@ -222,5 +220,5 @@ def inspect(directory) -> CheckpointInfo:
       directory=os.fspath(item_dir),
       step_directory=os.fspath(step_dir) if step_dir is not None else None,
       step=int(m.group(1)) if m else None,
-      leaves=read_leaves(item_dir), disk_bytes=_disk_bytes(item_dir),
+      leaves=read_leaves(item_dir), disk_bytes=storage.total_bytes(item_dir),
       report=read_report(item_dir, step_dir))

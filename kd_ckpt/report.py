@@ -13,6 +13,8 @@ import dataclasses
 import json
 from typing import Any
 
+from etils import epath
+
 from kd_ckpt import text
 
 # Written next to kd_ckpt's checkpoints (never inside Orbax's item folders):
@@ -79,8 +81,8 @@ class SaveReport:
     return d
 
   def write_json(self, path) -> None:
-    with open(path, 'w') as f:
-      json.dump(self.to_json_dict(), f, indent=2)
+    """Writes the report to `path` (a local path or a gs:// URL)."""
+    epath.Path(path).write_text(json.dumps(self.to_json_dict(), indent=2))
 
   def summary(self) -> str:
     fb = text.format_bytes

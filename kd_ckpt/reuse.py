@@ -8,8 +8,10 @@ and, for a leaf whose fingerprint, shape, dtype and write boxes all match,
 writes nothing: its stored chunks join the new checkpoint by reference.
 
 The mechanism is OCDBT's own, the one Orbax's per-process merge uses.  The
-previous checkpoint's OCDBT data files are hard-linked into the new
-checkpoint (`kd_ckpt.reuse/`, under the database being written), and each
+previous checkpoint's OCDBT data files are hard-linked (local disk) or
+copied server-side (gs://, a GCS rewrite: no byte passes through this host)
+into the new checkpoint (`kd_ckpt.reuse/`, under the database being
+written, `storage.copy_files`), and each
 reused leaf's keys are copied into the new database with
 `KvStore.experimental_copy_range_to`, which records references to the bytes
 in those files instead of rewriting them.  After Orbax's finalize, links no
@@ -23,7 +25,7 @@ entry refers to are deleted (`prune`).  Hence:
 
 Reuse falls back to a full write, saying why once in the log, where this
 cannot work: no previous checkpoint, one without fingerprints (saved without
-reuse), remote storage, hard links refused (another filesystem), or, per
+reuse), hard links or copies refused (another filesystem or bucket), or, per
 leaf, a different shape, dtype or sharding.  A changed leaf is never reused.
 
 A `jax.Array` is immutable while it lives (donation deletes it), so a leaf
@@ -47,7 +49,7 @@ import errno
 import hashlib
 import json
 import math
-import os
+import posixpath
 import re
 import threading
 from typing import Any
@@ -63,6 +65,7 @@ from kd_ckpt import compat
 from kd_ckpt import fingerprint as fingerprint_lib
 from kd_ckpt import integrity
 from kd_ckpt import slicing
+from kd_ckpt import storage
 
 FILE_PREFIX = 'kd_ckpt_fingerprints'
 FORMAT = 'kd_ckpt.fingerprints/1'
@@ -148,8 +151,6 @@ class Source:
     why = None
     if directory is None or not directory.exists():
       why = 'there is no previous checkpoint'
-    elif os.fspath(directory).startswith(('gs://', 's3://')):
-      why = f'{directory} is remote storage (reuse hard-links local files)'
     elif not (directory / 'manifest.ocdbt').exists():
       why = f'{directory} is not an OCDBT checkpoint'
     else:
@@ -170,9 +171,8 @@ class Source:
 def generations(directory) -> int:
   """How deeply `directory`'s reused links nest (0: nothing reused)."""
   deepest = 0
-  for root, dirs, _ in os.walk(os.fspath(directory)):
-    deepest = max(deepest, root.split(os.sep).count(LINK_DIR))
-    dirs[:] = [d for d in dirs if d == LINK_DIR or d.startswith('ocdbt.process_')]
+  for rel, _ in storage.files(directory):
+    deepest = max(deepest, rel.split('/').count(LINK_DIR))
   return deepest
 
 
@@ -313,8 +313,10 @@ async def split(handler, arrays, infos, ctx) -> tuple[list[int], Any]:
   try:
     link_checkpoint(source.directory, db_dir / LINK_DIR)
   except OSError as e:
-    _log_once(f'kd_ckpt {source.label}: writing every leaf, no reuse: cannot hard-link'
-              f' {source.directory} into {db_dir} ({e.strerror}; another filesystem?).')
+    how = 'copy' if storage.is_remote(db_dir) else 'hard-link'
+    _log_once(f'kd_ckpt {source.label}: writing every leaf, no reuse: cannot {how}'
+              f' {source.directory} into {db_dir} ({e.strerror or e}; another'
+              ' filesystem or bucket?).')
     return list(range(len(arrays))), None
   primary = handler._primary_host is None or jax.process_index() == handler._primary_host  # pylint: disable=protected-access
 
@@ -330,18 +332,20 @@ async def split(handler, arrays, infos, ctx) -> tuple[list[int], Any]:
   return write, job
 
 
-def link_checkpoint(src: epath.Path, dst: epath.Path) -> None:
-  """Hard-links `src`'s OCDBT files (manifests and data files) under `dst`."""
-  for root, dirs, files in os.walk(os.fspath(src)):
-    rel = os.path.relpath(root, os.fspath(src))
-    in_data = any(part == 'd' for part in rel.split(os.sep))
-    for f in files:
-      if f == 'manifest.ocdbt' or in_data:
-        out = os.path.join(os.fspath(dst), rel, f)
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        if not os.path.exists(out):
-          os.link(os.path.join(root, f), out)
-    dirs[:] = [d for d in dirs if not d.startswith(('array_metadatas',))]
+def link_checkpoint(src: epath.Path, dst: epath.Path) -> int:
+  """Links (local) or server-side copies (gs://) `src`'s OCDBT files under `dst`.
+
+  The manifests and data files (`d/`) of every database in `src`, the
+  reused links of earlier generations included; returns their bytes.
+  """
+
+  def ocdbt_file(rel: str) -> bool:
+    parts = rel.split('/')
+    if parts[0].startswith('array_metadatas'):
+      return False
+    return parts[-1] == 'manifest.ocdbt' or 'd' in parts[:-1]
+
+  return storage.copy_files(src, dst, ocdbt_file)
 
 
 _CHUNK_KEY = re.compile(r'^(?P<name>.+)/(?P<idx>\d+(?:\.\d+)*)$')
@@ -417,22 +421,16 @@ def prune(directory) -> None:
   removed, so a checkpoint keeps only the bytes it uses.
   """
   directory = epath.Path(directory)
-  link_dirs = [os.path.join(r, d) for r, ds, _ in os.walk(os.fspath(directory))
-               for d in ds if d == LINK_DIR]
-  if not link_dirs:
+  linked = [(rel, p) for rel, p in storage.files(directory) if LINK_DIR in rel.split('/')]
+  if not linked:
     return
   used = referenced_files(directory)
-  for link_dir in link_dirs:
-    for root, _, files in os.walk(link_dir):
-      for f in files:
-        path = os.path.join(root, f)
-        if os.path.relpath(path, os.fspath(directory)) not in used:
-          os.unlink(path)
+  storage.remove_files(p for rel, p in linked if rel not in used)
 
 
 def referenced_files(directory) -> set[str]:
   """Data files (relative to `directory`) the root OCDBT database refers to."""
-  base = ts.KvStore.open(f'file://{os.fspath(directory)}/').result()
+  base = ts.KvStore.open(storage.kvstore_spec(directory)).result()
   manifest = compat.tensorstore.ocdbt_dump(base, None).result()
   used = set()
   todo = []
@@ -463,4 +461,4 @@ def _file_of(location: str) -> str:
   parts = location.split(':')
   if len(parts) < 3:
     return ''
-  return os.path.normpath(parts[1] + parts[2])
+  return posixpath.normpath(parts[1] + parts[2])

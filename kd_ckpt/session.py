@@ -33,7 +33,6 @@ import jax
 
 from kd_ckpt import arrays as arrays_lib
 from kd_ckpt import budget as budget_lib
-from kd_ckpt import disk
 from kd_ckpt import handler as handler_lib
 from kd_ckpt import hostmem
 from kd_ckpt import integrity
@@ -41,6 +40,7 @@ from kd_ckpt import plan as plan_lib
 from kd_ckpt import report as report_lib
 from kd_ckpt import reuse as reuse_lib
 from kd_ckpt import startup
+from kd_ckpt import storage
 
 
 class HandlerDidNotRunError(RuntimeError):
@@ -63,6 +63,8 @@ class MeasuredSave:
                reuse_from: dict[str, Any] | None = None,
                fingerprint: bool = False,
                label: str = ''):
+    # Refused before anything is measured, planned or written.
+    storage.check_supported(directory)
     self.directory = epath.Path(directory)
     self.items = dict(items)
     self.item_dirs = {k: epath.Path(v) for k, v in (item_dirs or {}).items()}
@@ -104,14 +106,14 @@ class MeasuredSave:
 
   def check_disk(self) -> None:
     """Before anything is written: a writable place, room for raw chunks, no leftovers."""
-    if _is_remote(self.directory):
-      return  # Orbax's own handling; local-only checks do not apply.
-    disk.check_writable(self.directory)
+    storage.check_writable(self.directory)
     # Chunks are raw (uncompressed): the bytes to write are known exactly.
-    disk.check_free_space(self.directory, self.plan.total_bytes)
+    # Reused leaves are written too when the previous checkpoint turns out
+    # unusable, so they count.  (A bucket has no free space to check.)
+    storage.check_free_space(self.directory, self.plan.total_bytes)
     if jax.process_index() == 0:
       # A save of this same directory that was killed: never a checkpoint.
-      for stale in disk.remove_unfinished(self.directory):
+      for stale in storage.remove_unfinished(self.directory):
         logging.warning('kd_ckpt: removed %s, left by an unfinished save.', stale)
 
   def save_args(self, name: str, item: Any = None, save_args: Any = None,
@@ -146,10 +148,17 @@ class MeasuredSave:
 
   def fail(self, e: BaseException) -> None:
     """Removes the unfinished save; a full disk becomes `DiskFullError`."""
-    if jax.process_index() == 0 and not _is_remote(self.directory):
-      disk.remove_unfinished(self.directory)
-    if disk.is_disk_full(e):
-      raise disk.DiskFullError.during_save(self.directory, self.plan.total_bytes) from e
+    if jax.process_index() == 0:
+      try:
+        storage.remove_unfinished(self.directory)
+      except Exception as cleanup:  # pylint: disable=broad-exception-caught
+        # Storage may be what failed (a bucket unreachable): the save's own
+        # error is what the caller needs; the leftover is removed before
+        # this directory is saved again, and is never taken as a checkpoint.
+        logging.warning('kd_ckpt: could not remove the unfinished save %s: %s',
+                        self.label, cleanup)
+    if storage.is_disk_full(e):
+      raise storage.DiskFullError.during_save(self.directory, self.plan.total_bytes) from e
 
   # --- after ------------------------------------------------------------------
 
@@ -226,6 +235,3 @@ def _drop(arr) -> bool:
   from kd_ckpt import compat  # pylint: disable=g-import-not-at-top
   return compat.drop_host_cache(arr)
 
-
-def _is_remote(path: epath.Path) -> bool:
-  return os.fspath(path).startswith(('gs://', 's3://'))

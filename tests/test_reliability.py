@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import kd_ckpt
-from kd_ckpt import disk
+from kd_ckpt import storage as disk
 from tests import states
 
 P, NS = states.P, states.NS

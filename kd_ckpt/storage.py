@@ -1,0 +1,333 @@
+"""Where checkpoints live: local folders and `gs://` buckets, through one layer.
+
+kd_ckpt touches a checkpoint path only through etils.epath (folders, small
+files) and TensorStore kvstores (array data), as Orbax does; never through
+`os`, `open()` or `shutil`, which see a `gs://` URL as a relative local path.
+This module holds what differs between the two kinds of storage:
+
+  * which URLs can be written: what stock Orbax writes, local absolute paths
+    and `gs://`.  Anything else (`s3://`, ...) is refused before anything is
+    written (Orbax would take it for a local path and leave an `s3:` folder);
+  * what "finished" means: locally Orbax writes `<name>.orbax-checkpoint-tmp*`
+    and renames it at the end; on `gs://` it writes in place and marks the
+    end with `commit_success.txt`.  An unfinished save is never a checkpoint,
+    and it is removed before the same directory is saved again;
+  * the checks before a save: a probe file where the checkpoint goes (a
+    missing bucket or a read-only folder fails at once), and, on a local
+    disk, free space.  A bucket has no counterpart to free space: it has no
+    capacity to run out of, and a quota error arrives as the write's error;
+  * copying a previous checkpoint's files for reuse: hard links on a local
+    disk, server-side copies (GCS rewrite) in a bucket, so unchanged bytes
+    are never uploaded again;
+  * sizes and listings (epath walks either).
+
+The few local-only calls are marked `# local-only:` with their reason;
+tests/test_storage.py scans the package for any other.
+
+Example:
+
+  storage.check_supported('s3://b/ckpt')       # UnsupportedStorageError
+  storage.check_writable('gs://bucket/ckpt/1') # PermissionError/FileNotFoundError
+  storage.is_finished('gs://bucket/ckpt/1')    # commit_success.txt there?
+  storage.copy_files(src, dst, keep=lambda rel: rel.startswith('d/'))
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import posixpath
+import re
+import shutil
+import uuid
+from typing import Callable, Iterator
+
+from etils import epath
+
+from kd_ckpt import text
+
+# What stock Orbax writes (tensorstore_utils gives only gs:// a cloud driver).
+SUPPORTED_SCHEMES = ('gs',)
+# Orbax writes `<name>.orbax-checkpoint-tmp[-<n>]` and renames it at the end.
+TMP_MARKER = '.orbax-checkpoint-tmp'
+# Orbax's mark of a finished checkpoint on GCS (atomicity.CommitFileTemporaryPath).
+COMMIT_FILE = 'commit_success.txt'
+PROBE_PREFIX = '.kd_ckpt_probe_'
+_SCHEME = re.compile(r'^([A-Za-z][A-Za-z0-9+.-]*)://')
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# How TensorStore reports ENOSPC/EDQUOT inside its ValueError text.
+_FULL_TEXTS = ('No space left on device', "os_error_code='28'",
+               'Disk quota exceeded', "os_error_code='122'")
+
+
+class UnsupportedStorageError(ValueError):
+  """A checkpoint URL stock Orbax cannot write (e.g. `s3://`)."""
+
+
+class DiskFullError(OSError):
+  """The checkpoint's filesystem ran out of space (errno ENOSPC)."""
+
+  @classmethod
+  def during_save(cls, directory, needed_bytes: int | None) -> 'DiskFullError':
+    free = free_bytes(directory)
+    needed = (f' the save needed about {text.format_bytes(needed_bytes)} (uncompressed), and'
+              if needed_bytes is not None else '')
+    now = (f' {text.format_bytes(free)} is free now that its partial files are removed.'
+           if free is not None else ' Its partial files are removed.')
+    return cls(errno.ENOSPC, (
+        f'Disk full while saving {os.fspath(directory)!r}:{needed}{now}'
+        ' Earlier checkpoints are untouched. Free space (e.g. a lower'
+        ' max_to_keep) or save elsewhere, then save again.'))
+
+
+# --- URLs ------------------------------------------------------------------------
+
+
+def scheme(path) -> str | None:
+  """'gs' for `gs://b/x`, None for a local path."""
+  m = _SCHEME.match(os.fspath(path))
+  return m.group(1).lower() if m else None
+
+
+def is_remote(path) -> bool:
+  return scheme(path) is not None
+
+
+def check_supported(path) -> None:
+  """Raises UnsupportedStorageError for a URL stock Orbax cannot write; writes nothing."""
+  s = scheme(path)
+  if s is None or s in SUPPORTED_SCHEMES:
+    return
+  raise UnsupportedStorageError(
+      f'Cannot save to {os.fspath(path)!r}: {s}:// is not supported.'
+      ' orbax-checkpoint writes array data through TensorStore with a cloud'
+      ' driver only for gs://; it would take this URL for a relative local'
+      f' path (and leave a local folder named "{s}:"). Nothing was written.'
+      ' Save to a gs:// bucket or a local (or mounted) absolute path.')
+
+
+# --- finished or not ---------------------------------------------------------------
+
+
+def is_unfinished(path) -> bool:
+  """Whether `path` is what a save left before it finished (never a checkpoint).
+
+  Local: Orbax's temporary name.  gs://: no `commit_success.txt` in the
+  folder or in its step folder (Orbax writes it last).
+  """
+  p = epath.Path(path)
+  if TMP_MARKER in p.name:
+    return True
+  if not is_remote(p) or not p.exists():
+    return False
+  return not ((p / COMMIT_FILE).exists() or (p.parent / COMMIT_FILE).exists())
+
+
+def remove_unfinished(directory) -> list[str]:
+  """Removes what unfinished saves of `directory` left; returns what it removed.
+
+  Local: `<name>.orbax-checkpoint-tmp*` siblings of this exact target.
+  gs://: `directory` itself when it has no commit file.  A finished
+  checkpoint, or another step's save, is never touched.
+  """
+  d = epath.Path(directory)
+  removed = []
+  if is_remote(d):
+    if is_unfinished(d):
+      d.rmtree(missing_ok=True)
+      removed.append(os.fspath(d))
+    return removed
+  if not d.parent.exists():
+    return removed
+  for p in d.parent.iterdir():
+    if p.name.startswith(d.name + TMP_MARKER):
+      try:
+        p.rmtree()
+      except OSError:
+        pass  # Best effort: another process may be removing it too.
+      removed.append(os.fspath(p))
+  return removed
+
+
+# --- before a save -----------------------------------------------------------------
+
+
+def nearest_existing(path) -> epath.Path:
+  """The deepest existing folder on the way to `path` (a bucket's root at most)."""
+  p = epath.Path(path)
+  if not is_remote(p):
+    p = epath.Path(posixpath.normpath(posixpath.join(os.getcwd(), os.fspath(p))))
+  while not p.exists() and p != p.parent:
+    p = p.parent
+  return p
+
+
+def check_writable(directory) -> None:
+  """Raises unless files can be created where `directory` goes; leaves nothing behind.
+
+  Writes and removes a probe file: mode bits say nothing for root, a
+  read-only mount, a quota, or a bucket's permissions.
+  """
+  d = epath.Path(directory)
+  if is_remote(d):
+    bucket = epath.Path(f'{scheme(d)}://{_bucket(d)}')
+    if not bucket.exists():
+      raise FileNotFoundError(
+          f'Cannot save to {os.fspath(directory)!r}: bucket {os.fspath(bucket)!r}'
+          ' does not exist or cannot be listed. Create it, or check the name and'
+          ' your credentials.')
+    base = d.parent  # Objects need no folder: probe beside the checkpoint.
+  else:
+    base = nearest_existing(d)
+    if not base.is_dir():
+      raise NotADirectoryError(
+          f'Cannot save to {os.fspath(directory)!r}: {os.fspath(base)!r} is a file,'
+          ' not a folder. Pick another checkpoint directory.')
+  probe = base / f'{PROBE_PREFIX}{uuid.uuid4().hex}'
+  try:
+    probe.write_bytes(b'')
+    probe.unlink()
+  except OSError as e:
+    if e.errno in _FULL_ERRNOS:
+      raise DiskFullError(e.errno, (
+          f'Disk full at {os.fspath(base)!r}: not even an empty file can be'
+          ' created there. Free space or save elsewhere.')) from e
+    raise PermissionError(e.errno, (
+        f'Cannot write to {os.fspath(base)!r} (needed to create'
+        f' {os.fspath(directory)!r}): {e.strerror or e}. Pick a directory you can'
+        ' write to, or fix its permissions / mount.')) from e
+
+
+def free_bytes(directory) -> int | None:
+  """Free bytes of the filesystem `directory` goes on; None for a bucket (no capacity)."""
+  if is_remote(directory):
+    return None
+  # local-only: free space is a filesystem query; epath has none, and buckets have no capacity.
+  return shutil.disk_usage(os.fspath(nearest_existing(directory))).free
+
+
+def check_free_space(directory, needed_bytes: int) -> None:
+  """Raises DiskFullError before writing when `needed_bytes` cannot fit (local disks)."""
+  free = free_bytes(directory)
+  if free is not None and needed_bytes > free:
+    raise DiskFullError(errno.ENOSPC, (
+        f'Not enough disk space for {os.fspath(directory)!r}: the save needs'
+        f' about {text.format_bytes(needed_bytes)} and'
+        f' {text.format_bytes(free)} is free on'
+        f' {os.fspath(nearest_existing(directory))!r}. Nothing was written.'
+        ' Free space (e.g. a lower max_to_keep) or save elsewhere.'))
+
+
+def is_disk_full(exc: BaseException) -> bool:
+  """Whether `exc` (or anything in its cause chain) is ENOSPC/EDQUOT."""
+  seen = set()
+  while exc is not None and id(exc) not in seen:
+    seen.add(id(exc))
+    if isinstance(exc, OSError) and exc.errno in _FULL_ERRNOS:
+      return True
+    if any(t in str(exc) for t in _FULL_TEXTS):
+      return True
+    exc = exc.__cause__ or exc.__context__
+  return False
+
+
+# --- files --------------------------------------------------------------------------
+
+
+def files(directory) -> Iterator[tuple[str, epath.Path]]:
+  """(path relative to `directory`, path) of every file under it."""
+  top = epath.Path(directory)
+  for root, _, names in top.walk():
+    rel_root = _relative(root, top)
+    base = top / rel_root if rel_root else top
+    for name in names:
+      yield posixpath.join(rel_root, name) if rel_root else name, base / name
+
+
+def total_bytes(directory) -> int:
+  """Bytes of every file under `directory` (what it occupies on disk or in the bucket)."""
+  return sum(int(p.stat().length or 0) for _, p in files(directory))
+
+
+def copy_files(src, dst, keep: Callable[[str], bool]) -> int:
+  """Copies the files under `src` whose relative path `keep` accepts to `dst`; returns bytes.
+
+  Local: hard links (no byte is copied; a file lives while one checkpoint
+  links it).  gs://: server-side copies (GCS rewrite: the bytes never pass
+  through this host).  Either way the copy is independent of `src`:
+  deleting `src` afterwards changes nothing under `dst`.
+
+  Raises:
+    OSError: a link or copy was refused (e.g. another filesystem).
+  """
+  src, dst = epath.Path(src), epath.Path(dst)
+  if is_remote(src) != is_remote(dst) or (
+      is_remote(src) and scheme(src) != scheme(dst)):
+    raise OSError(errno.EXDEV, f'{src} and {dst} are on different storage')
+  fs = _fsspec(src) if is_remote(src) else None
+  copied = 0
+  for rel, path in files(src):
+    if not keep(rel):
+      continue
+    out = dst / rel
+    if fs is not None:
+      fs.copy(os.fspath(path), os.fspath(out))
+    else:
+      out.parent.mkdir(parents=True, exist_ok=True)
+      if out.exists():
+        continue
+      # local-only: a hard link shares the bytes; epath has no link().
+      os.link(os.fspath(path), os.fspath(out))
+    copied += int(path.stat().length or 0)
+  return copied
+
+
+def remove_files(paths) -> None:
+  for p in paths:
+    epath.Path(p).unlink(missing_ok=True)
+
+
+# --- TensorStore --------------------------------------------------------------------
+
+
+def kvstore_spec(directory) -> dict:
+  """The TensorStore kvstore of a folder (`file` or `gcs`), with its trailing slash."""
+  d = os.fspath(directory)
+  if is_remote(d):
+    check_supported(d)
+    return {'driver': 'gcs', 'bucket': _bucket(d),
+            'path': _key(d).rstrip('/') + '/' if _key(d) else ''}
+  return {'driver': 'file', 'path': d.rstrip('/') + '/'}
+
+
+# --- helpers ------------------------------------------------------------------------
+
+
+def _bucket(path) -> str:
+  return os.fspath(path).split('://', 1)[1].split('/', 1)[0]
+
+
+def _key(path) -> str:
+  rest = os.fspath(path).split('://', 1)[1]
+  return rest.split('/', 1)[1] if '/' in rest else ''
+
+
+def _relative(path: epath.Path, top: epath.Path) -> str:
+  p, t = os.fspath(path).rstrip('/'), os.fspath(top).rstrip('/')
+  if is_remote(t) and not is_remote(p):
+    p = f'{scheme(t)}://{p}'  # fsspec's walk yields paths without the scheme.
+  if p == t:
+    return ''
+  if not p.startswith(t + '/'):
+    raise ValueError(f'{p} is not under {t}')
+  return p[len(t) + 1:]
+
+
+def _fsspec(path):
+  """The fsspec filesystem etils.epath uses for `path` (its server-side copy).
+
+  epath's own `copy()` streams the bytes through this host (download and
+  upload); fsspec's `copy` of the same filesystem is GCS's rewrite.
+  """
+  import fsspec  # pylint: disable=g-import-not-at-top
+  return fsspec.filesystem(scheme(path))
