@@ -27,6 +27,7 @@ from kd_ckpt import handler as handler_lib
 from kd_ckpt import inspecting
 from kd_ckpt import report as report_lib
 from kd_ckpt import session as session_lib
+from kd_ckpt import startup
 from kd_ckpt import storage
 from kd_ckpt import verifying
 
@@ -72,6 +73,11 @@ def save(
   # Every check happens before anything is written.
   storage.check_supported(directory)
   path = epath.Path(directory)
+  # The measurement starts first: a first touch of a bucket is this save's.
+  s = session_lib.MeasuredSave(
+      path, {'default': tree}, host_ram_budget=host_ram_budget, strategy=strategy,
+      reuse_from={'default': reuse_from} if reuse_from is not None else None,
+      fingerprint=fingerprint)
   # What a killed save of this directory left (gs://: no commit file) is no
   # checkpoint: process 0 removes it in `check_disk` below.
   if path.exists() and not storage.is_unfinished(path):
@@ -79,10 +85,6 @@ def save(
         f'Checkpoint directory {os.fspath(directory)!r} already exists.'
         ' kd_ckpt never overwrites a checkpoint: pass a new directory (e.g.'
         ' one per step) or delete the old one first.')
-  s = session_lib.MeasuredSave(
-      path, {'default': tree}, host_ram_budget=host_ram_budget, strategy=strategy,
-      reuse_from={'default': reuse_from} if reuse_from is not None else None,
-      fingerprint=fingerprint)
   s.check_disk()
   path.parent.mkdir(parents=True, exist_ok=True)
   checkpointer = ocp.Checkpointer(handler_lib.SafePyTreeHandler())
@@ -134,6 +136,9 @@ def restore(
     CorruptCheckpointError: `verify=True` and a leaf does not match.
     NoChecksumsError: `verify=True` on a checkpoint without kd_ckpt checksums.
   """
+  # A process's first touch of a bucket (its storage clients) is paid inside
+  # the budget: what it took is not there for the reads.
+  paid = startup.start_storage(directory)
   path = inspecting.checkpoint_dir(directory)
   if verify:
     check = verifying.verify(path, host_ram_budget=host_ram_budget)
@@ -144,4 +149,5 @@ def restore(
           ' restore with verify=False to read it anyway.')
   h = handler_lib.SafePyTreeHandler(host_ram_budget=host_ram_budget)
   return h.restore(path, args=handler_lib.SafeRestore(
-      item=target, strict=strict, host_ram_budget=host_ram_budget))
+      item=target, strict=strict, host_ram_budget=host_ram_budget,
+      storage_startup_bytes=paid))

@@ -82,6 +82,10 @@ class SaveContext:
       (None: reuse off, nothing hashed).
     progress_total_bytes: bytes to write, for the progress lines (0: silent).
     limiter: the process's host limiter.
+    rss_ceiling_bytes: the process RSS a streaming save keeps under by
+      draining its own commits (the RSS before the save plus its budget,
+      less the floor's headroom); None: the RSS at the write's start plus
+      `capacity_bytes`.
   """
 
   capacity_bytes: int
@@ -94,6 +98,7 @@ class SaveContext:
   progress_total_bytes: int = 0
   limiter: limiter_lib.HostLimiter = dataclasses.field(
       default_factory=limiter_lib.process_limiter)
+  rss_ceiling_bytes: int | None = None
 
   @classmethod
   def for_budget(cls, budget_bytes: int, num_leaves: int = 0, **kwargs) -> 'SaveContext':

@@ -235,7 +235,11 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     num_leaves = len([n for n, t in compat.stored_params(directory) if t in _STORED_TYPES])
     # A process whose first jit is this restore pays XLA's start-up first
     # (placing pieces compiles): the pieces share what is left.
-    startup_bytes = startup.start_compiler()
+    compiler_bytes = startup.start_compiler()
+    # Likewise a first touch of a bucket (`kd_ckpt.restore` starts the clients
+    # before it looks for the checkpoint, and says what that took).
+    storage_bytes = getattr(args, 'storage_startup_bytes', 0) + startup.start_storage(directory)
+    startup_bytes = compiler_bytes + storage_bytes
     need = cost.min_restore_budget_bytes(num_leaves) + startup_bytes
     if budget_bytes < need:
       raise plan_lib.BudgetTooSmallError(
@@ -245,9 +249,13 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
           f' {text.format_bytes(cost.FLOOR_BYTES)}, {num_leaves} leaves\' bookkeeping'
           f' ({text.format_bytes(cost.leaves_charge(num_leaves))}) and a few pieces.'
           f' Raise host_ram_budget to at least {text.format_bytes(need)}.'
-          + (f' This restore first paid {text.format_bytes(startup_bytes)} for XLA\'s'
+          + (f' This restore first paid {text.format_bytes(compiler_bytes)} for XLA\'s'
              ' compiler start-up (the first jit of this process); a process that'
-             ' has run any jax.jit before does not pay it.' if startup_bytes else ''))
+             ' has run any jax.jit before does not pay it.' if compiler_bytes else '')
+          + (f' It paid {text.format_bytes(storage_bytes)} to start the storage clients'
+             ' (the first gs:// access of this process: gcsfs, TensorStore\'s HTTP'
+             ' transport); a process that has touched the bucket before does not.'
+             if storage_bytes else ''))
     capacity = cost.limiter_capacity(budget_bytes) - startup_bytes
     read = arrays_lib.read_context_for(capacity, num_leaves)
     impl = self._pytree_handler(arrays_lib.KdArrayHandler(read=read),
@@ -297,9 +305,16 @@ class SafeSave(ocp.args.StandardSave):
 @ocp.args.register_with_handler(SafePyTreeHandler, for_restore=True)
 @dataclasses.dataclass
 class SafeRestore(ocp.args.StandardRestore):
-  """`StandardRestore` for `SafePyTreeHandler`, with the restore's budget."""
+  """`StandardRestore` for `SafePyTreeHandler`, with the restore's budget.
+
+  Attributes:
+    host_ram_budget: the restore's budget (None: the handler's).
+    storage_startup_bytes: part of the budget this restore already spent
+      starting its storage clients before the handler ran.
+  """
 
   host_ram_budget: budget_lib.BudgetLike | None = None
+  storage_startup_bytes: int = 0
 
 
 def check_structure(directory, target: Any) -> None:

@@ -33,6 +33,7 @@ import jax
 
 from kd_ckpt import arrays as arrays_lib
 from kd_ckpt import budget as budget_lib
+from kd_ckpt import cost
 from kd_ckpt import handler as handler_lib
 from kd_ckpt import hostmem
 from kd_ckpt import integrity
@@ -81,8 +82,10 @@ class MeasuredSave:
     self._start = time.monotonic()
     # A process that never compiled pays XLA's start-up here, before any
     # buffer exists, and the plan shares what is left of the budget.
-    self.plan = plan_lib.plan_save(tree, host_ram_budget=host_ram_budget, strategy=strategy,
-                                   startup_bytes=startup.start_compiler())
+    # Likewise a process's first touch of a bucket (its storage clients).
+    self.plan = plan_lib.plan_save(
+        tree, host_ram_budget=host_ram_budget, strategy=strategy,
+        startup_bytes=startup.start_compiler() + startup.start_storage(directory))
     self.stats = arrays_lib.SaveStats()
     self._contexts = {}
     # Reuse (or `fingerprint`): every leaf's fingerprint is recorded, so the
@@ -95,7 +98,9 @@ class MeasuredSave:
       self._contexts[name] = handler_lib.context_for(
           self.plan, checksums=integrity.collector(), stats=self.stats, reuse=source,
           fingerprints=reuse_lib.Fingerprints() if fingerprint else None,
-          progress_total_bytes=self.plan.total_bytes)
+          progress_total_bytes=self.plan.total_bytes,
+          rss_ceiling_bytes=(self._peak.before_bytes + self.plan.budget_bytes
+                             - cost.RSS_HEADROOM_BYTES))
     self._lock = threading.Lock()
     self._pending = set(self.items)
     self._end = None

@@ -208,3 +208,21 @@ def contiguous(chunk: Sequence[int], box: Box) -> bool:
     return True
   first = next((a for a in range(len(dims)) if min(chunk[a], dims[a]) > 1), len(dims))
   return all(chunk[a] >= dims[a] for a in range(first + 1, len(dims)))
+
+
+def interleaved(chunk: Sequence[int], local_shape: Sequence[int],
+                global_shape: Sequence[int]) -> bool:
+  """Whether a shard's chunk keys interleave with other shards' in the stored order.
+
+  True when the shard covers part of the array's last axis and is cut into
+  several chunks along a leading one: in C order (zarr's chunk keys, OCDBT's
+  B-tree) each of its chunk rows then sits between other shards' chunks.
+  Measured to cost TensorStore/OCDBT about as much per staged byte as a copy
+  (`cost.STAGED_COPY_FACTOR`): a 4x2 mesh whose shards are prime on both
+  axes (1-row chunks) peaked at 1.4x a 160 MiB budget charged as contiguous.
+  """
+  if not local_shape or len(local_shape) < 2:
+    return False
+  partial_last = int(local_shape[-1]) < int(global_shape[-1])
+  cut_leading = any(int(c) < int(n) for c, n in zip(chunk[:-1], local_shape[:-1]))
+  return partial_last and cut_leading

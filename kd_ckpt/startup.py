@@ -1,4 +1,4 @@
-"""One-time process costs that a save or restore can land on: XLA's compiler start-up.
+"""One-time process costs that a save or restore can land on: XLA's compiler, storage clients.
 
 The first `jax.jit` of a process pulls XLA's compiler in.  Measured on this
 CPU backend: +41 MiB of RSS for a one-op program, +54 MiB for one that uses
@@ -10,9 +10,17 @@ fresh restore script, an eval job, a CLI) pays it inside that call, and so
 inside its budget: `start_compiler()` pays it up front, before any buffer
 exists, and the call's limiter admits that much less.
 
+The first touch of a `gs://` path is the same kind of cost: etils.epath
+imports gcsfs (aiohttp, google-auth, google-cloud-storage) and TensorStore
+starts its HTTP transport: +40 MiB measured on the emulator.  A training
+process that checkpoints to a bucket has paid it at its first listing of
+the workdir; a restore script has not.  `start_storage()` pays it up front
+in the same way.
+
 Example:
 
   startup_bytes = startup.start_compiler()   # 0 once the process has compiled
+  startup_bytes += startup.start_storage('gs://bucket/ckpt')
   capacity = cost.limiter_capacity(budget_bytes) - startup_bytes
 """
 
@@ -59,5 +67,36 @@ def start_compiler() -> int:
     hwm_after = hostmem.peak_rss_bytes()
     _started = True
   # A transient above the final RSS shows in the high-water mark, if it moved.
+  peak = hwm_after if hwm_after > hwm_before else after
+  return max(0, peak - before)
+
+
+_storage_started: set[str] = set()
+
+
+def start_storage(directory) -> int:
+  """Starts the clients of `directory`'s storage if this process has not; returns the RSS that took.
+
+  Local paths cost nothing.  For a bucket: etils.epath's filesystem (a
+  listing of the bucket's root) and TensorStore's kvstore driver (a listing
+  of an empty range).  Errors are left to the operation itself, which names
+  the path.
+  """
+  from kd_ckpt import storage  # pylint: disable=g-import-not-at-top
+  scheme = storage.scheme(directory)
+  if scheme is None or scheme not in storage.SUPPORTED_SCHEMES:
+    return 0
+  with _lock:
+    if scheme in _storage_started:
+      return 0
+    hwm_before = hostmem.peak_rss_bytes()
+    before = hostmem.current_rss_bytes()
+    try:
+      storage.warm_up(directory)
+    except Exception:  # pylint: disable=broad-exception-caught
+      pass
+    after = hostmem.current_rss_bytes()
+    hwm_after = hostmem.peak_rss_bytes()
+    _storage_started.add(scheme)
   peak = hwm_after if hwm_after > hwm_before else after
   return max(0, peak - before)

@@ -300,6 +300,15 @@ def kvstore_spec(directory) -> dict:
   return {'driver': 'file', 'path': d.rstrip('/') + '/'}
 
 
+def warm_up(directory) -> None:
+  """Touches `directory`'s storage clients once (imports, sessions, transports)."""
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+  bucket = epath.Path(f'{scheme(directory)}://{_bucket(directory)}')
+  bucket.exists()
+  kv = ts.KvStore.open(kvstore_spec(directory)).result()
+  kv.list(ts.KvStore.KeyRange(b'\xff', b'\xff\x00')).result()
+
+
 # --- helpers ------------------------------------------------------------------------
 
 

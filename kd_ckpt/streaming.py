@@ -156,7 +156,9 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
     progress = arrays_lib.Progress(ctx.progress_total_bytes) if ctx.progress_total_bytes else None
     with lim.lease(ctx.capacity_bytes):
       pipeline = _Pipeline(lim, group_bytes=max(ctx.slice_bytes, ctx.group_bytes),
-                           stats=ctx.stats, progress=progress)
+                           stats=ctx.stats, progress=progress,
+                           rss_ceiling_bytes=ctx.rss_ceiling_bytes or (
+                               hostmem.current_rss_bytes() + ctx.capacity_bytes))
       # The leaves' bookkeeping (Orbax's and TensorStore's, per leaf) lives
       # for the whole save: admitted first, released last.
       leaves = cost.leaves_charge(len(infos))
@@ -241,6 +243,7 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
                  np.zeros(p.local_shape, target_dtype), path=p.name,
                  shape=p.arr.shape, dtype=target_dtype)
       return
+    interleaved = slicing.interleaved(p.chunk, p.local_shape, p.arr.shape)
     for rslice in p.rslices.replica_slices:
       data = rslice.unsliced_data
       base = [slice(0, n) for n in data.shape]
@@ -254,7 +257,7 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
         nbytes = slicing.nbytes(box, p.itemsize)
         charge = cost.staged_charge(
             nbytes, chunks=slicing.num_chunks(box, p.chunk),
-            contiguous=slicing.contiguous(p.chunk, box))
+            contiguous=slicing.contiguous(p.chunk, box) and not interleaved)
         if p.pinned:
           charge += nbytes  # the pinned staging copy, on hosts that have it
         await pipeline.admit(charge)
@@ -292,8 +295,10 @@ class _Pipeline:
   """
 
   def __init__(self, lim: limiter_lib.HostLimiter, *, group_bytes: int,
-               stats: arrays_lib.SaveStats, progress=None, max_commits: int = 1):
+               stats: arrays_lib.SaveStats, progress=None, max_commits: int = 1,
+               rss_ceiling_bytes: int | None = None):
     self.lim = lim
+    self.rss_ceiling_bytes = rss_ceiling_bytes
     self.group_bytes = group_bytes
     self.stats = stats
     self.progress = progress
@@ -313,7 +318,24 @@ class _Pipeline:
         await self._retire()
       else:
         await self.lim.acquire_async(charge)  # held by another item of the save
-        return
+        break
+    # The charges model what TensorStore allocates per staged byte; RSS says
+    # what it did.  Where the storage or the write pattern costs more than
+    # modelled (e.g. an object store's upload buffers, chunk keys of several
+    # shards interleaving in OCDBT's B-tree), the pipeline drains its own
+    # commits before the process passes the ceiling.
+    trimmed = False
+    while (self.rss_ceiling_bytes is not None
+           and hostmem.current_rss_bytes() + charge > self.rss_ceiling_bytes):
+      if self.staged:
+        await self.flush()
+      elif self.commits:
+        await self._retire()
+      elif not trimmed:
+        hostmem.release_free_memory()
+        trimmed = True
+      else:
+        break
 
   def write(self, t: ts.TensorStore, dst, host: np.ndarray, charge: int):
     """Stages `host` at `dst`; returns the staging future (awaiting it is optional)."""
