@@ -46,6 +46,7 @@ from kd_ckpt import hostmem
 from kd_ckpt import limiter as limiter_lib
 from kd_ckpt import reuse
 from kd_ckpt import slicing
+from kd_ckpt import storage
 
 
 # How often the writer returns freed memory to the OS.  A trim costs about a
@@ -85,16 +86,22 @@ def to_host(data: jax.Array, box: slicing.Box, *, pinned: bool = False) -> np.nd
   return out
 
 
-def write_context() -> ts.Context:
+def write_context(*, remote: bool = False) -> ts.Context:
   """One context per save: its leaves share one OCDBT database (one writer).
 
   The node cache is small: a save reads nothing back, and each commit leaves
   new node versions in it (Orbax's 100 MB default grew +60 MiB over 1 GB).
+  On a bucket, requests retry for about a minute at most (TensorStore's
+  default retries 32 times up to 32 s apart: a quarter of an hour of a
+  training loop stalled on an outage before the save fails).
   """
-  return ts.Context({
+  spec = {
       'file_io_concurrency': {'limit': 128},
       'cache_pool#ocdbt': {'total_bytes_limit': cost.WRITE_NODE_CACHE_BYTES},
-  })
+  }
+  if remote:
+    spec['gcs_request_retries'] = dict(cost.REMOTE_RETRIES)
+  return ts.Context(spec)
 
 
 def ocdbt_subdir(use_ocdbt: bool) -> int | str | None:
@@ -151,7 +158,8 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
     # in a background thread first.
     await self.directories_ready(infos)
     write_idx, reuse_job = await self.split_reused(arrays, infos, args)
-    context = write_context() if jax.process_count() == 1 else infos[0].ts_context
+    context = (write_context(remote=storage.is_remote(infos[0].parent_dir))
+               if jax.process_count() == 1 else infos[0].ts_context)
     lim = ctx.limiter
     progress = arrays_lib.Progress(ctx.progress_total_bytes) if ctx.progress_total_bytes else None
     with lim.lease(ctx.capacity_bytes):

@@ -39,6 +39,7 @@ from kd_ckpt import handler as handler_lib
 from kd_ckpt import plan as plan_lib
 from kd_ckpt import report as report_lib
 from kd_ckpt import session as session_lib
+from kd_ckpt import storage
 
 
 def _standard_items(args) -> dict[str, ocp.args.StandardSave]:
@@ -142,6 +143,22 @@ class SafeCheckpointer(kd.ckpts.Checkpointer):
   def _kd(self) -> dict[str, Any]:
     # Runtime state hangs off one cached property; the dataclass stays frozen.
     return {'pending': None, 'budget': None}
+
+  @functools.cached_property
+  def _ckpt_mgr(self):
+    """Kauldron's manager; on a bucket, without POSIX folder modes.
+
+    Kauldron asks Orbax for 0o770 folders.  A bucket has no modes (access is
+    IAM), tf.io.gfile ignores them there, and etils.epath's fsspec backend
+    refuses them (`NotImplementedError: makedirs with custom mode=`), which
+    would end a run on a gs:// workdir at its first save.
+    """
+    mgr = super()._ckpt_mgr
+    if storage.is_remote(self.workdir) and mgr.options.file_options.path_permission_mode:
+      options = dataclasses.replace(mgr.options, file_options=dataclasses.replace(
+          mgr.options.file_options, path_permission_mode=None))
+      mgr = dataclasses.replace(mgr, options=options)
+    return mgr
 
   @functools.cached_property
   def _handler(self) -> handler_lib.SafePyTreeHandler:

@@ -1,0 +1,359 @@
+"""Checkpoints in a bucket (issue 18): every operation on gs:// as on a local disk.
+
+A real GCS server (fake-gcs-server, tests/gcs_server.py) runs on 127.0.0.1
+for this module; TensorStore and etils.epath (gcsfs) are pointed at it.
+Nothing leaves loopback.
+
+* kd_ckpt.save with each strategy, on 1 and 8 devices: restored bit-exact by
+  kd_ckpt and by stock Orbax; verify; inspect reads sizes and the report
+  from the bucket.
+* CheckpointManager + SafePyTreeHandler with max_to_keep.
+* Reuse: unchanged leaves are copied server-side, never uploaded again, and
+  every checkpoint stays complete after the earlier ones are deleted.
+* s3:// and other URLs are refused before anything is written.
+* The budget holds (peak RSS measured from outside, in fresh processes) on
+  the unseen-shape states of tests/test_budget.py.
+* Faults: the server killed mid-save (clear error, bounded time, limiter
+  released, earlier checkpoints intact, next save works); the saving
+  process killed (the partial save is never restored as complete).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from etils import epath
+import tensorstore as ts
+
+import kd_ckpt
+from kd_ckpt import report as report_lib
+from kd_ckpt import storage
+from tests import gcs_server
+from tests import states
+
+MiB = states.MiB
+TOLERANCE = 8 * MiB
+BUCKET = 'kd-ckpt-test'
+REPO = pathlib.Path(__file__).resolve().parents[1]
+P, NS = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
+
+
+@pytest.fixture(scope='module')
+def server(tmp_path_factory):
+  """fake-gcs-server on a free loopback port; the stack pointed at it; stopped by PID."""
+  root = tmp_path_factory.mktemp('gcs')
+  srv = gcs_server.GcsServer(root / 'data').start()
+  srv.create_bucket(BUCKET)
+  saved = {k: os.environ.get(k) for k in srv.env()}
+  os.environ.update(srv.env())
+  yield srv
+  srv.stop()
+  for k, v in saved.items():
+    if v is None:
+      os.environ.pop(k, None)
+    else:
+      os.environ[k] = v
+
+
+@pytest.fixture
+def bucket(server, request):
+  """A fresh prefix in the bucket for one test."""
+  name = request.node.name.replace('[', '_').replace(']', '').replace('/', '_')
+  return f'gs://{BUCKET}/{name}-{time.time_ns()}'
+
+
+def _tree():
+  m1, m2 = states.meshes()
+  one = jax.devices()[0]
+  return {
+      'sharded': states.filled((64, 1031), NS(m1, P('x'))),
+      'mesh2d': states.filled((12, 10), NS(m2, P('a', 'b')), jnp.bfloat16, 1),
+      'replicated': states.filled((17, 5), NS(m1, P()), jnp.float32, 2),
+      'one_device': jax.device_put(np.arange(4099, dtype=np.int32), one),
+      'host': np.linspace(0, 1, 7),
+      'scalar': 3,
+  }
+
+
+def _same(a, b) -> None:
+  """Every leaf of `a` equals `b`'s, bit for bit (same structure, same leaf count)."""
+  la, ta = jax.tree_util.tree_flatten(a)
+  lb, tb = jax.tree_util.tree_flatten(b)
+  assert ta == tb, (ta, tb)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype and x.shape == y.shape
+    assert x.tobytes() == y.tobytes()
+
+
+def _abstract(tree):
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+      if isinstance(x, jax.Array) else x, tree)
+
+
+def _gcs_bytes_written() -> int:
+  for m in ts.experimental_collect_matching_metrics('/tensorstore/kvstore/gcs/bytes_written'):
+    return sum(v['value'] for v in m['values'])
+  return 0
+
+
+@pytest.mark.parametrize('strategy', ['streaming', 'orbax', 'auto'])
+def test_save_restore_verify_inspect_on_gcs(server, bucket, strategy):
+  tree = _tree()
+  path = f'{bucket}/ckpt'
+  r = kd_ckpt.save(path, tree, strategy=strategy, host_ram_budget=256 * MiB)
+  assert r.directory == path
+  assert (epath.Path(path) / storage.COMMIT_FILE).exists()
+  assert (epath.Path(path) / report_lib.REPORT_FILE_NAME).exists()
+  # kd_ckpt's restore, onto the saved shardings.
+  _same(kd_ckpt.restore(path, _abstract(tree)), tree)
+  # Stock Orbax, with kd_ckpt out of the picture.
+  _same(ocp.StandardCheckpointer().restore(path, _abstract(tree)), tree)
+  v = kd_ckpt.verify(path)
+  assert v.ok and not v.unchecked, v
+  info = kd_ckpt.inspect(path)
+  assert info.report is not None and info.report.strategy == r.strategy
+  stored = server.object_bytes(BUCKET, path.split(f'gs://{BUCKET}/', 1)[1])
+  assert info.disk_bytes == stored > 0
+  out = subprocess.run([sys.executable, '-m', 'kd_ckpt', 'inspect', path],
+                       capture_output=True, text=True, env=os.environ, timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert 'saved by    kd_ckpt' in out.stdout and '0 B on disk' not in out.stdout
+
+
+def test_stock_checkpoint_restored_from_gcs(server, bucket):
+  tree = _tree()
+  path = f'{bucket}/stock'
+  with ocp.StandardCheckpointer() as c:
+    c.save(path, tree)
+    c.wait_until_finished()
+  _same(kd_ckpt.restore(path, _abstract(tree), host_ram_budget=128 * MiB), tree)
+  info = kd_ckpt.inspect(path)
+  assert info.report is None and info.disk_bytes > 0
+
+
+def test_checkpoint_manager_with_safe_handler_and_max_to_keep(server, bucket):
+  tree = _tree()
+  mgr = ocp.CheckpointManager(
+      bucket, item_handlers=kd_ckpt.SafePyTreeHandler(host_ram_budget=128 * MiB),
+      options=ocp.CheckpointManagerOptions(max_to_keep=2))
+  for step in range(4):
+    mgr.save(step, args=kd_ckpt.SafeSave(jax.tree.map(
+        lambda x, s=step: x + s if isinstance(x, jax.Array) else x, tree)))
+  mgr.wait_until_finished()
+  assert mgr.all_steps() == [2, 3]
+  back = mgr.restore(3, args=kd_ckpt.SafeRestore(_abstract(tree)))
+  _same(back, jax.tree.map(lambda x: x + 3 if isinstance(x, jax.Array) else x, tree))
+  mgr.close()
+  kept = sorted(p.name for p in epath.Path(bucket).iterdir())
+  assert kept == ['2', '3'], kept
+
+
+def test_reuse_copies_server_side_and_keeps_each_checkpoint_complete(server, bucket):
+  m1, _ = states.meshes()
+  frozen = states.filled((2048, 1024), NS(m1, P('x')), seed=5)        # 8 MiB
+  tree = {'frozen': frozen, 'lora': states.filled((256, 1024), NS(m1, P('x')), seed=6)}
+  a, b = f'{bucket}/1', f'{bucket}/2'
+  kd_ckpt.save(a, tree, strategy='streaming', host_ram_budget=128 * MiB, fingerprint=True)
+  changed = dict(tree, lora=tree['lora'] + 1)                          # 1 MiB changes
+  before = _gcs_bytes_written()
+  r = kd_ckpt.save(b, changed, strategy='streaming', host_ram_budget=128 * MiB, reuse_from=a)
+  uploaded = _gcs_bytes_written() - before
+  changed_bytes = changed['lora'].nbytes
+  print(f'uploaded {uploaded} B for {changed_bytes} B changed; reused {r.bytes_reused} B')
+  assert r.leaves_reused == 1 and r.bytes_reused == frozen.nbytes
+  assert uploaded <= 2 * changed_bytes, (uploaded, changed_bytes)
+  # The new checkpoint is complete on its own: delete the earlier one.
+  epath.Path(a).rmtree()
+  _same(ocp.StandardCheckpointer().restore(b, _abstract(changed)), changed)
+  assert kd_ckpt.verify(b).ok
+
+
+@pytest.mark.parametrize('url', ['s3://bucket/ckpt', 'file:///tmp/x/ckpt', 'az://c/ckpt'])
+def test_unsupported_urls_are_refused_before_anything_is_written(tmp_path, monkeypatch, url):
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(kd_ckpt.UnsupportedStorageError, match='not supported') as e:
+    kd_ckpt.save(url, {'a': np.ones(3)})
+  assert url in str(e.value) and 'gs://' in str(e.value)
+  assert list(tmp_path.iterdir()) == []  # no stray `s3:` folder
+
+
+def test_an_unfinished_gcs_save_is_never_a_checkpoint(server, bucket):
+  """gs:// has no rename: Orbax marks the end with commit_success.txt."""
+  tree = {'a': np.arange(10.0)}
+  done, partial = f'{bucket}/1', f'{bucket}/2'
+  kd_ckpt.save(done, tree)
+  kd_ckpt.save(partial, tree)
+  (epath.Path(partial) / storage.COMMIT_FILE).unlink()  # as if killed before the end
+  with pytest.raises(ValueError, match='unfinished save'):
+    kd_ckpt.restore(partial)
+  item, _ = kd_ckpt.find_checkpoint(bucket)
+  assert os.fspath(item) == done
+  # Saving the same directory again replaces the leftover.
+  kd_ckpt.save(partial, {'a': np.arange(10.0) + 1})
+  _same(kd_ckpt.restore(partial), {'a': np.arange(10.0) + 1})
+
+
+# --- the budget, measured from outside in fresh processes ----------------------------
+
+STATE_BYTES = 192 * MiB
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('state', states.UNSEEN + states.OTHER)
+def test_budget_holds_on_gcs(server, bucket, state):
+  budget = 64 * MiB + (32 * MiB if state == 'many_small' else 0)
+  # A fresh process's first gs:// touch (~42 MiB of clients) is paid inside
+  # the budget: restores get room for it.
+  restore_budget = budget + 48 * MiB
+  d = f'{bucket}/c'
+  r = states.run_worker('save', d, state, str(STATE_BYTES), 'streaming', str(budget))
+  print(f'gcs save {state}: peak {r["peak_extra_bytes"] / MiB:.1f} MiB of {budget / MiB:.0f}')
+  assert r['peak_extra_bytes'] <= budget + TOLERANCE, r
+  r = states.run_worker('restore', d, state, str(STATE_BYTES), str(restore_budget))
+  beyond = r['peak_extra_bytes'] - r['restored_bytes']
+  print(f'gcs restore {state}: {beyond / MiB:.1f} MiB beyond the arrays,'
+        f' budget {restore_budget / MiB:.0f}')
+  assert beyond <= restore_budget + TOLERANCE, r
+
+
+# --- faults --------------------------------------------------------------------------
+
+FAULT_WORKER = '''
+import json, os, sys, time
+import jax, numpy as np
+import kd_ckpt
+from kd_ckpt import limiter
+from tests import states
+P, NS = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
+base, signal_file = sys.argv[1], sys.argv[2]
+m1, _ = states.meshes()
+small = {'a': np.arange(100.0)}
+kd_ckpt.save(base + '/earlier', small)
+big = {'w': states.filled((24576, 1024), NS(m1, P('x')))}   # 96 MiB
+print('SAVING', flush=True)
+start = time.monotonic()
+out = {}
+try:
+  kd_ckpt.save(base + '/doomed', big, strategy='streaming', host_ram_budget=48 << 20)
+  out['error'] = None
+except Exception as e:  # the outage
+  out['error'] = f'{type(e).__name__}: {e}'[:2000]
+out['seconds'] = time.monotonic() - start
+out['held_bytes'] = limiter.process_limiter().in_use_bytes
+print('FAILED', flush=True)
+while not os.path.exists(signal_file):
+  time.sleep(0.2)
+back = kd_ckpt.restore(base + '/earlier')
+out['earlier_intact'] = bool(np.array_equal(back['a'], small['a']))
+kd_ckpt.save(base + '/doomed', big, strategy='streaming', host_ram_budget=48 << 20)
+out['next_save_ok'] = bool(np.array_equal(
+    np.asarray(kd_ckpt.restore(base + '/doomed')['w']), np.asarray(big['w'])))
+print(json.dumps(out), flush=True)
+'''
+
+
+def _worker_env():
+  return {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=8',
+          'JAX_PLATFORMS': 'cpu', 'PYTHONPATH': str(REPO)}
+
+
+def _wait_for_line(proc, word: str, timeout: float) -> list[str]:
+  lines = []
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    line = proc.stdout.readline()
+    if not line:
+      break
+    lines.append(line)
+    if line.startswith(word):
+      return lines
+  proc.kill()
+  raise AssertionError(f'no {word!r} from the worker; it printed:\n{"".join(lines)[-3000:]}')
+
+
+@pytest.mark.slow
+def test_server_killed_mid_save(server, bucket, tmp_path):
+  signal_file = tmp_path / 'restarted'
+  proc = subprocess.Popen([sys.executable, '-c', FAULT_WORKER, bucket, str(signal_file)],
+                          cwd=REPO, env=_worker_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True)
+  try:
+    _wait_for_line(proc, 'SAVING', 180)
+    # Let the save start writing, then take the storage away.
+    prefix = bucket.split(f'gs://{BUCKET}/', 1)[1] + '/doomed'
+    deadline = time.monotonic() + 60
+    while server.object_bytes(BUCKET, prefix) < MiB and time.monotonic() < deadline:
+      time.sleep(0.05)
+    server.kill()
+    killed = time.monotonic()
+    _wait_for_line(proc, 'FAILED', 300)
+    failed_after = time.monotonic() - killed
+    server.start()
+    signal_file.touch()
+    out = json.loads(_wait_for_line(proc, '{', 300)[-1])
+    proc.wait(timeout=60)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+    if server.proc is None or server.proc.poll() is not None:
+      server.start()
+  print(f'failed {failed_after:.1f} s after the server died: {out["error"][:300]}')
+  assert out['error'] is not None and 'doomed' in out['error'], out
+  assert failed_after < 180, failed_after
+  assert out['held_bytes'] == 0, out
+  assert out['earlier_intact'] and out['next_save_ok'], out
+
+
+KILL_WORKER = '''
+import sys
+import jax, numpy as np
+import kd_ckpt
+from tests import states
+P, NS = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
+base = sys.argv[1]
+m1, _ = states.meshes()
+kd_ckpt.save(base + '/1', {'w': np.arange(1000.0)})
+big = {'w': states.filled((24576, 1024), NS(m1, P('x')))}
+print('SAVING', flush=True)
+kd_ckpt.save(base + '/2', big, strategy='streaming', host_ram_budget=48 << 20)
+print('DONE', flush=True)
+'''
+
+
+@pytest.mark.slow
+def test_kill9_of_the_saving_process_leaves_no_checkpoint(server, bucket):
+  proc = subprocess.Popen([sys.executable, '-c', KILL_WORKER, bucket], cwd=REPO,
+                          env=_worker_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True)
+  try:
+    _wait_for_line(proc, 'SAVING', 180)
+    prefix = bucket.split(f'gs://{BUCKET}/', 1)[1] + '/2'
+    deadline = time.monotonic() + 60
+    while server.object_bytes(BUCKET, prefix) < MiB and time.monotonic() < deadline:
+      time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  partial = f'{bucket}/2'
+  assert epath.Path(partial).exists()  # the kill left something behind
+  with pytest.raises(ValueError, match='unfinished save'):
+    kd_ckpt.restore(partial)
+  item, _ = kd_ckpt.find_checkpoint(bucket)
+  assert os.fspath(item) == f'{bucket}/1'
+  np.testing.assert_array_equal(kd_ckpt.restore(item)['w'], np.arange(1000.0))
