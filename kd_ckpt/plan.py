@@ -249,7 +249,7 @@ class SavePlan:
         f'  this host writes  {fb(self.total_bytes)} of {fb(self.global_bytes)}'
         f' in {self.num_leaves} leaves (largest leaf {fb(self.largest_leaf_bytes)})',
         f'  budget            {fb(self.budget_bytes)} ({self.budget_text})'
-        + (f', of which XLA\'s compiler start-up took {fb(self.startup_bytes)}'
+        + (f', of which one-time start-up (XLA, storage clients) took {fb(self.startup_bytes)}'
            if self.startup_bytes else ''),
         f'  choice            {self.summary()}',
         '',
@@ -334,9 +334,10 @@ def plan_from_estimate(
   stream = next(c for c in cands if c.strategy == 'streaming')
   best_orbax = _best_orbax(cands, budget_bytes)
   startup_note = (
-      f' This save first paid {text.format_bytes(startup_bytes)} for XLA\'s compiler'
-      ' start-up (the first jit of this process); a process that has run any'
-      ' jax.jit before saving does not pay it.' if startup_bytes else '')
+      f' This save first paid {text.format_bytes(startup_bytes)} for one-time'
+      ' start-up (XLA\'s compiler at the first jit of this process, and the storage'
+      ' clients at its first gs:// access); a process that has run a jax.jit and'
+      ' touched its bucket before saving does not pay it.' if startup_bytes else '')
   empty = [l.path for l in est.leaves if l.is_array and 0 in l.shape]
   if empty and strategy == 'orbax':
     # Orbax 0.12 refuses zero-size arrays; the streaming writer stores them

@@ -234,6 +234,10 @@ def _worker(argv):
     return
   tree = make_state(state, total)
   jax.block_until_ready(tree)
+  if os.environ.get('KD_TEST_COLD_STORAGE') != '1':
+    # A training process has listed its bucket long before it saves: the
+    # storage clients' one-time start-up is not this save's (see the cold case).
+    startup.start_storage(directory)
   if mode == 'save':
     # Measured from outside kd_ckpt: the whole call, not the report's own figure.
     hostmem.release_free_memory()

@@ -91,6 +91,7 @@ def load_config(cfg_args: Sequence[str]):
   from kauldron import kd  # pylint: disable=g-import-not-at-top
 
   path = config_path(cfg_args)
+  # local-only: a config file path (a Python file to import), never a checkpoint.
   if path is not None and ':' not in path and not os.path.exists(path):
     raise ConfigError(f'config file not found: {path!r}')
   flag_values = flags.FlagValues()
@@ -363,6 +364,7 @@ def plan_config(
   """
   import jax  # pylint: disable=g-import-not-at-top
 
+  # local-only: a scratch workdir the Trainer needs to exist; nothing is written to it.
   with tempfile.TemporaryDirectory(prefix='kd_ckpt_plan_') as tmp_workdir:
     with config_errors('loading the config', debug=debug):
       cfg = load_config(cfg_args)

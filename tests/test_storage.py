@@ -1,0 +1,106 @@
+"""One storage layer (issue 18): checkpoint paths only through etils.epath and TensorStore.
+
+`os`, `open()`, `shutil`, `tempfile` and `pathlib` see `gs://bucket/x` as a
+relative local path: a call of theirs on a checkpoint path writes a stray
+local folder, or fails on a bucket.  This scans every module of the package
+for them.  The exceptions are marked `# local-only:` with their reason (in
+`storage.py`: free space and hard links; elsewhere: config files), and the
+modules that read /proc, /sys or /dev (never a checkpoint).
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+from kd_ckpt import storage
+
+PKG = pathlib.Path(storage.__file__).parent
+# Modules that touch no checkpoint path: host memory probes (/proc, cgroups)
+# and the CLI's stdout redirection (/dev/null).
+NOT_CHECKPOINT_PATHS = {'hostmem.py', '__main__.py'}
+# Path-free helpers of `os` (names, strings, the environment).
+ALLOWED_OS = {'fspath', 'environ', 'getcwd', 'sep', 'getpid', 'cpu_count', 'sysconf',
+              'PathLike', 'devnull', 'dup2', 'O_WRONLY', 'getenv'}
+FORBIDDEN_MODULES = {'shutil', 'tempfile', 'pathlib', 'glob'}
+
+
+def _violations(path: pathlib.Path) -> list[str]:
+  source = path.read_text()
+  lines = source.splitlines()
+  out = []
+  for node in ast.walk(ast.parse(source)):
+    what = None
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == 'open':
+      what = 'open()'
+    elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+      mod, attr = node.value.id, node.attr
+      if mod == 'os' and attr not in ALLOWED_OS and attr != 'path':
+        what = f'os.{attr}'
+      elif mod in FORBIDDEN_MODULES:
+        what = f'{mod}.{attr}'
+    elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+          and isinstance(node.value.value, ast.Name) and node.value.value.id == 'os'
+          and node.value.attr == 'path'):
+      what = f'os.path.{node.attr}'
+    if what is None:
+      continue
+    line = lines[node.lineno - 1]
+    previous = lines[node.lineno - 2] if node.lineno > 1 else ''
+    if '# local-only:' in (line + previous):
+      continue
+    out.append(f'{path.relative_to(PKG.parent)}:{node.lineno}: {what}')
+  return out
+
+
+def test_no_local_file_api_on_checkpoint_paths():
+  found = []
+  for path in sorted(PKG.rglob('*.py')):
+    if path.name not in NOT_CHECKPOINT_PATHS:
+      found += _violations(path)
+  assert not found, 'use etils.epath or kd_ckpt.storage instead:\n' + '\n'.join(found)
+
+
+def test_the_scan_finds_what_it_forbids(tmp_path):
+  bad = tmp_path / 'bad.py'
+  bad.write_text('import os, shutil\nopen("x")\nos.walk("d")\nshutil.rmtree("d")\n'
+                 'os.path.exists("d")\nos.fspath("ok")\n')
+  found = [v.split(': ')[1] for v in _violations_at(bad)]
+  assert found == ['open()', 'os.walk', 'shutil.rmtree', 'os.path.exists'], found
+
+
+def _violations_at(path):
+  global PKG  # pylint: disable=global-statement
+  saved, PKG = PKG, path.parent.parent
+  try:
+    return _violations(path)
+  finally:
+    PKG = saved
+
+
+@pytest.mark.parametrize('url,ok', [
+    ('/tmp/ckpt', True), ('relative/ckpt', True), ('gs://b/ckpt', True),
+    ('s3://b/ckpt', False), ('file:///tmp/ckpt', False), ('hf://x/y', False)])
+def test_supported_urls(url, ok):
+  if ok:
+    storage.check_supported(url)
+  else:
+    with pytest.raises(storage.UnsupportedStorageError, match='Nothing was written'):
+      storage.check_supported(url)
+
+
+def test_kvstore_specs_end_in_a_slash():
+  assert storage.kvstore_spec('/tmp/c') == {'driver': 'file', 'path': '/tmp/c/'}
+  assert storage.kvstore_spec('gs://b/x/c') == {'driver': 'gcs', 'bucket': 'b', 'path': 'x/c/'}
+
+
+def test_copy_files_hard_links_locally(tmp_path):
+  src, dst = tmp_path / 'a', tmp_path / 'b'
+  (src / 'd').mkdir(parents=True)
+  (src / 'd' / 'f').write_bytes(b'x' * 10)
+  (src / 'skip').write_bytes(b'y')
+  n = storage.copy_files(src, dst, lambda rel: rel.startswith('d/'))
+  assert n == 10 and (dst / 'd' / 'f').stat().st_ino == (src / 'd' / 'f').stat().st_ino
+  assert not (dst / 'skip').exists()
+  assert sorted(rel for rel, _ in storage.files(src)) == ['d/f', 'skip']
+  assert storage.total_bytes(src) == 11
