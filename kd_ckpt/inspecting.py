@@ -41,6 +41,7 @@ class NoCheckpointError(ValueError):
 def checkpoint_dir(directory) -> epath.Path:
   """`directory` if it is a PyTree checkpoint; else an error saying what to pass."""
   path = epath.Path(directory)
+  storage.forget_listings(path)
   if not path.exists():
     raise FileNotFoundError(
         f'No checkpoint at {os.fspath(directory)!r}. Check the path (for a'
@@ -72,6 +73,7 @@ def _is_step_dir(path: epath.Path) -> bool:
 def find_checkpoint(directory) -> tuple[epath.Path, epath.Path | None]:
   """(PyTree checkpoint dir, Kauldron/kd_ckpt step dir or None) for `directory`."""
   path = epath.Path(directory)
+  storage.forget_listings(path)  # Steps other processes wrote since we last looked.
   if not path.is_dir():
     raise FileNotFoundError(f'no such directory: {os.fspath(directory)!r}')
   if (path / '_METADATA').is_file():

@@ -118,7 +118,10 @@ def is_unfinished(path) -> bool:
   p = epath.Path(path)
   if TMP_MARKER in p.name:
     return True
-  if not is_remote(p) or not p.exists():
+  if not is_remote(p):
+    return False
+  forget_listings(p)
+  if not p.exists():
     return False
   return not ((p / COMMIT_FILE).exists() or (p.parent / COMMIT_FILE).exists())
 
@@ -237,6 +240,7 @@ def is_disk_full(exc: BaseException) -> bool:
 def files(directory) -> Iterator[tuple[str, epath.Path]]:
   """(path relative to `directory`, path) of every file under it."""
   top = epath.Path(directory)
+  forget_listings(top)
   for root, _, names in top.walk():
     rel_root = _relative(root, top)
     base = top / rel_root if rel_root else top
@@ -298,6 +302,17 @@ def kvstore_spec(directory) -> dict:
     return {'driver': 'gcs', 'bucket': _bucket(d),
             'path': _key(d).rstrip('/') + '/' if _key(d) else ''}
   return {'driver': 'file', 'path': d.rstrip('/') + '/'}
+
+
+def forget_listings(path) -> None:
+  """Drops gcsfs's cached listings under `path` (no-op locally).
+
+  gcsfs caches folder listings; TensorStore, other processes and other hosts
+  write objects it never hears of.  Decisions (finished or not, what to
+  list, link or remove) must see the bucket as it is.
+  """
+  if is_remote(path):
+    _fsspec(path).invalidate_cache(os.fspath(path))
 
 
 def warm_up(directory) -> None:

@@ -389,6 +389,7 @@ def _kauldron(workdir: str, log: pathlib.Path, steps: int) -> str:
        '--cfg.writer=py::kauldron.train.metric_writer.NoopWriter()'],
       cwd=REPO, env=_worker_env(), capture_output=True, text=True, timeout=600)
   log.write_text(proc.stdout + proc.stderr)
+  storage.forget_listings(workdir)  # another process wrote there
   if proc.returncode != 0:
     tail = '\n'.join(l[:300] for l in log.read_text().splitlines()[-40:])
     pytest.fail(f'kauldron.main failed ({proc.returncode}), log {log}:\n{tail}', pytrace=False)

@@ -1,0 +1,116 @@
+"""Bench part on object storage: the Gemma-like state saved to and restored from gs://.
+
+A real GCS server (fake-gcs-server, tests/gcs_server.py) on 127.0.0.1; each
+row in a fresh process that has listed its bucket first (as a training loop
+has).  Rows: Orbax default (`StandardCheckpointer`, async save + wait),
+kd_ckpt `auto` and `streaming` at the budget.  Peaks are VmHWM over the call
+minus RSS before it; seconds are given as ratios to Orbax's in the same run.
+
+  .venv/bin/python bench/gcs.py --out bench/results/gcs.md   # make bench-gcs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, 'bench'))
+
+MiB = 1 << 20
+
+WORKER = r'''
+import json, sys, time
+sys.path.insert(0, sys.argv[4] + '/bench')
+import jax
+import orbax.checkpoint as ocp
+import kd_ckpt
+from kd_ckpt import hostmem, startup
+import workloads
+variant, path, budget = sys.argv[1], sys.argv[2], int(sys.argv[3])
+state = workloads.build_gemma_gb(jax, int(sys.argv[5]))
+startup.start_storage(path)
+hostmem.release_free_memory()
+with hostmem.PeakRss() as peak:
+  t = time.monotonic()
+  if variant == 'orbax':
+    with ocp.StandardCheckpointer() as c:
+      c.save(path, state)
+      c.wait_until_finished()
+  else:
+    kd_ckpt.save(path, state, strategy=variant, host_ram_budget=budget)
+  save_secs = time.monotonic() - t
+abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+del state
+hostmem.release_free_memory()
+with hostmem.PeakRss() as rpeak:
+  t = time.monotonic()
+  if variant == 'orbax':
+    back = ocp.StandardCheckpointer().restore(path, abstract)
+  else:
+    back = kd_ckpt.restore(path, abstract, host_ram_budget=budget)
+  jax.block_until_ready(back)
+  restore_secs = time.monotonic() - t
+resident = sum({s.data.unsafe_buffer_pointer(): s.data.nbytes
+                for x in jax.tree.leaves(back) for s in x.addressable_shards}.values())
+print(json.dumps(dict(save_peak=peak.extra_bytes, save_secs=save_secs,
+                      restore_beyond=rpeak.extra_bytes - resident,
+                      restore_secs=restore_secs, nbytes=nbytes)))
+'''
+
+
+def main() -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+  ap.add_argument('--budget-mib', type=int, default=256)
+  ap.add_argument('--state-bytes', type=int, default=2_200_000_000)
+  ap.add_argument('--out', default=None, help='markdown file for the table')
+  args = ap.parse_args()
+  from tests import gcs_server  # pylint: disable=g-import-not-at-top
+  budget = args.budget_mib * MiB
+  with tempfile.TemporaryDirectory(prefix='kd_ckpt_gcs_bench_') as tmp:
+    with gcs_server.GcsServer(os.path.join(tmp, 'data')) as srv:
+      srv.create_bucket('bench')
+      env = {**os.environ, **srv.env(), 'PYTHONPATH': REPO, 'JAX_PLATFORMS': 'cpu',
+             'XLA_FLAGS': '--xla_force_host_platform_device_count=8'}
+      rows = {}
+      for variant in ('orbax', 'auto', 'streaming'):
+        path = f'gs://bench/{variant}-{time.time_ns()}'
+        proc = subprocess.run(
+            [sys.executable, '-c', WORKER, variant, path, str(budget), REPO,
+             str(args.state_bytes)], env=env, capture_output=True, text=True, timeout=1800)
+        if proc.returncode != 0:
+          print(proc.stderr[-3000:], file=sys.stderr)
+          return 1
+        rows[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(variant, rows[variant], flush=True)
+  o = rows['orbax']
+  lines = [
+      f'State: Gemma-like, {o["nbytes"] / 1e9:.2f} GB over 8 CPU devices; budget'
+      f' {args.budget_mib} MiB; fake-gcs-server on 127.0.0.1; `bench/gcs.py`.', '',
+      '| variant | save peak | save peak / budget | save s / Orbax | restore beyond arrays'
+      ' | restore peak / budget | restore s / Orbax |',
+      '| --- | --- | --- | --- | --- | --- | --- |']
+  for v, r in rows.items():
+    lines.append(
+        f'| {"Orbax default" if v == "orbax" else "kd_ckpt " + v} |'
+        f' {r["save_peak"] / MiB:.0f} MiB | {r["save_peak"] / budget:.2f} |'
+        f' {r["save_secs"] / o["save_secs"]:.2f} ({r["save_secs"]:.1f} s) |'
+        f' {r["restore_beyond"] / MiB:.0f} MiB | {r["restore_beyond"] / budget:.2f} |'
+        f' {r["restore_secs"] / o["restore_secs"]:.2f} ({r["restore_secs"]:.1f} s) |')
+  table = '\n'.join(lines)
+  print(table)
+  if args.out:
+    with open(args.out, 'w') as f:
+      f.write('# kd_ckpt on object storage (issue 18)\n\n' + table + '\n')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
