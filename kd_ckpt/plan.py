@@ -335,7 +335,7 @@ def plan_from_estimate(
   best_orbax = _best_orbax(cands, budget_bytes)
   startup_note = (
       f' This save first paid {text.format_bytes(startup_bytes)} for one-time'
-      ' start-up (XLA\'s compiler at the first jit of this process, and the storage'
+      ' start-up (XLA\'s compiler start-up at the first jit of this process, and the storage'
       ' clients at its first gs:// access); a process that has run a jax.jit and'
       ' touched its bucket before saving does not pay it.' if startup_bytes else '')
   empty = [l.path for l in est.leaves if l.is_array and 0 in l.shape]
