@@ -268,14 +268,14 @@ def copy_files(src, dst, keep: Callable[[str], bool]) -> int:
   if is_remote(src) != is_remote(dst) or (
       is_remote(src) and scheme(src) != scheme(dst)):
     raise OSError(errno.EXDEV, f'{src} and {dst} are on different storage')
-  fs = _fsspec(src) if is_remote(src) else None
+  copy = _server_side_copy(src) if is_remote(src) else None
   copied = 0
   for rel, path in files(src):
     if not keep(rel):
       continue
     out = dst / rel
-    if fs is not None:
-      fs.copy(os.fspath(path), os.fspath(out))
+    if copy is not None:
+      copy(path, out)
     else:
       out.parent.mkdir(parents=True, exist_ok=True)
       if out.exists():
@@ -312,7 +312,10 @@ def forget_listings(path) -> None:
   list, link or remove) must see the bucket as it is.
   """
   if is_remote(path):
-    _fsspec(path).invalidate_cache(os.fspath(path))
+    try:
+      _fsspec(path).invalidate_cache(os.fspath(path))
+    except ImportError:
+      pass  # No gcsfs: epath uses tf.io.gfile, which caches no listings.
 
 
 def warm_up(directory) -> None:
@@ -348,10 +351,28 @@ def _relative(path: epath.Path, top: epath.Path) -> str:
 
 
 def _fsspec(path):
-  """The fsspec filesystem etils.epath uses for `path` (its server-side copy).
-
-  epath's own `copy()` streams the bytes through this host (download and
-  upload); fsspec's `copy` of the same filesystem is GCS's rewrite.
-  """
+  """The fsspec filesystem etils.epath uses for `path` (gcsfs for gs://)."""
   import fsspec  # pylint: disable=g-import-not-at-top
   return fsspec.filesystem(scheme(path))
+
+
+def _server_side_copy(path) -> Callable[[epath.Path, epath.Path], None]:
+  """A copy of one object to another that never moves the bytes through this host.
+
+  With gcsfs (etils.epath's fsspec backend), fsspec's `copy` is GCS's
+  rewrite; epath's own `copy()` there would download and upload.  Without
+  gcsfs, epath uses tf.io.gfile, whose `copy()` is a rewrite too.
+
+  Raises:
+    OSError: neither client is installed (reuse then writes everything).
+  """
+  try:
+    fs = _fsspec(path)
+    return lambda src, dst: fs.copy(os.fspath(src), os.fspath(dst))
+  except ImportError:
+    pass
+  try:
+    import tensorflow  # pylint: disable=g-import-not-at-top,unused-import
+    return lambda src, dst: epath.Path(src).copy(dst, overwrite=True)
+  except ImportError as e:
+    raise OSError(errno.ENOTSUP, f'no server-side copy for {path}: install gcsfs') from e

@@ -282,7 +282,40 @@ def _restore(workdirs) -> dict:
   return {'checked': done}
 
 
+def _save_api(argv) -> dict:
+  """`kd_ckpt.save` of the global state from every process, then restores on each.
+
+  PATH may be a gs:// URL (tests/test_object_storage.py); both processes
+  write one checkpoint, each its own OCDBT database, merged by process 0.
+  """
+  path, strategy, budget, pid, nproc, port = argv
+  pid, nproc = int(pid), int(nproc)
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.distributed.initialize(
+      coordinator_address=f'127.0.0.1:{port}', num_processes=nproc, process_id=pid,
+      initialization_timeout=120)
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  import kd_ckpt  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import startup  # pylint: disable=g-import-not-at-top
+  startup.start_compiler()
+  startup.start_storage(path)
+  state = build_state()
+  multihost_utils.sync_global_devices('kd_ckpt_mp_api_warm_up')
+  report = kd_ckpt.save(path, state, strategy=strategy,
+                        host_ram_budget=int(budget) if budget.isdigit() else budget)
+  multihost_utils.sync_global_devices('kd_ckpt_mp_api_saved')
+  abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+  check_shards(kd_ckpt.restore(path, abstract, host_ram_budget=report.budget_bytes),
+               'kd_ckpt.restore')
+  with ocp.StandardCheckpointer() as c:
+    check_shards(c.restore(path, abstract), 'stock Orbax restore')
+  multihost_utils.sync_global_devices('kd_ckpt_mp_api_restored')
+  return {'process_index': pid, 'report': report.to_json_dict()}
+
+
 if __name__ == '__main__':
   mode, rest = sys.argv[1], sys.argv[2:]
-  result = {'save': _save, 'restore': _restore}[mode](rest)
+  result = {'save': _save, 'restore': _restore, 'save_api': _save_api}[mode](rest)
   print(json.dumps(result))

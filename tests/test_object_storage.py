@@ -207,6 +207,26 @@ def test_an_unfinished_gcs_save_is_never_a_checkpoint(server, bucket):
   _same(kd_ckpt.restore(partial), {'a': np.arange(10.0) + 1})
 
 
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.parametrize('strategy', ['streaming', 'orbax', 'auto'])
+def test_two_processes_save_one_checkpoint_to_gcs(server, bucket, tmp_path, strategy):
+  """Two JAX processes (4 CPU devices each, one global mesh) write one gs:// checkpoint."""
+  from tests import test_multiprocess  # pylint: disable=g-import-not-at-top
+  path, port = f'{bucket}/ckpt', test_multiprocess._free_port()  # pylint: disable=protected-access
+  results = test_multiprocess._run(  # pylint: disable=protected-access
+      [['save_api', path, strategy, str(96 * MiB), str(i), '2', str(port)] for i in range(2)],
+      devices=4, log_dir=tmp_path / 'logs')
+  assert [r['process_index'] for r in results] == [0, 1]
+  for r in results:
+    if strategy != 'auto':
+      assert r['report']['strategy'] == strategy
+  storage.forget_listings(path)
+  names = {rel.split('/')[0] for rel, _ in storage.files(path)}
+  assert {'ocdbt.process_0', 'ocdbt.process_1', storage.COMMIT_FILE} <= names, names
+  assert kd_ckpt.verify(path).ok
+
+
 # --- the budget, measured from outside in fresh processes ----------------------------
 
 STATE_BYTES = 192 * MiB
