@@ -311,11 +311,18 @@ def forget_listings(path) -> None:
   write objects it never hears of.  Decisions (finished or not, what to
   list, link or remove) must see the bucket as it is.
   """
-  if is_remote(path):
-    try:
-      _fsspec(path).invalidate_cache(os.fspath(path))
-    except ImportError:
-      pass  # No gcsfs: epath uses tf.io.gfile, which caches no listings.
+  if not is_remote(path):
+    return
+  try:
+    fs = _fsspec(path)
+  except ImportError:
+    return  # No gcsfs: epath uses tf.io.gfile, which caches no listings.
+  # `invalidate_cache` drops the path and its parents; folders below it
+  # (e.g. a workdir's checkpoints/) must go too.
+  fs.invalidate_cache(os.fspath(path))
+  key = fs._strip_protocol(os.fspath(path)).rstrip('/')  # pylint: disable=protected-access
+  for k in [k for k in list(fs.dircache) if k.startswith(key + '/')]:
+    fs.dircache.pop(k, None)
 
 
 def warm_up(directory) -> None:
@@ -351,8 +358,15 @@ def _relative(path: epath.Path, top: epath.Path) -> str:
 
 
 def _fsspec(path):
-  """The fsspec filesystem etils.epath uses for `path` (gcsfs for gs://)."""
+  """The fsspec filesystem etils.epath uses for `path` (gcsfs for gs://).
+
+  The same instance (fsspec caches one per arguments): epath asks for
+  `fsspec.filesystem('gcs', finalize_on_close=True)`, and its listing cache
+  is the one that must be forgotten.
+  """
   import fsspec  # pylint: disable=g-import-not-at-top
+  if scheme(path) == 'gs':
+    return fsspec.filesystem('gcs', finalize_on_close=True)
   return fsspec.filesystem(scheme(path))
 
 
