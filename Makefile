@@ -16,6 +16,10 @@
 #                      64-256 MiB: seconds and peaks; ~1 min
 #   make test-orbax-peer ORBAX_SRC=DIR   Orbax's own handler test suites, with
 #                      stock Orbax and with kd_ckpt plugged in (each strategy)
+#   make test-kauldron-peer KAULDRON_SRC=DIR   Kauldron's checkpointer suite, with
+#                      stock Kauldron and SafeCheckpointer (each strategy)
+#   make test-peers KAULDRON_SRC=DIR ORBAX_SRC=DIR   both
+#   make bench-gcs     the Gemma-like state saved/restored on a local GCS server
 #   make constraints   re-pin constraints.txt from the current .venv
 #
 # The first target run creates .venv with a Python >= 3.12 found by
@@ -37,7 +41,7 @@ DEMO_DEVICES ?= 8
 DEMO_CFG := configs/gemma_lora.py
 PLAN_ARGS ?=
 
-.PHONY: test test-fast test-orbax-peer demo bench bench-full calibrate bench-restore-stock plan constraints venv clean
+.PHONY: test test-fast test-orbax-peer test-kauldron-peer test-peers bench-gcs demo bench bench-full calibrate bench-restore-stock plan constraints venv clean
 
 venv: $(STAMP)
 
@@ -78,8 +82,30 @@ test-orbax-peer: $(STAMP)
 	  --json=build/orbax_peer.json --log-dir=build/orbax_peer_logs \
 	  $(ORBAX_PEER_ARGS)
 
+# Kauldron's own checkpointer suite (kauldron/checkpoints/checkpointer_test.py)
+# with stock Kauldron, then with SafeCheckpointer for each strategy
+# (tools/kauldron_peer.py); KAULDRON_SRC is a google-research/kauldron
+# checkout or what tools/fetch_kauldron_tests.sh extracts of one.
+KAULDRON_SRC ?=
+
+test-kauldron-peer: $(STAMP)
+	@if [[ -z "$(KAULDRON_SRC)" ]]; then \
+	  echo "error: set KAULDRON_SRC; to extract the suite from a git copy of" \
+	    "google-research/kauldron: tools/fetch_kauldron_tests.sh /tmp/kauldron_src" >&2; \
+	  exit 2; \
+	fi
+	@mkdir -p build
+	$(PY) tools/kauldron_peer.py --kauldron-src="$(KAULDRON_SRC)" --json=build/kauldron_peer.json
+
+# Both peer suites: make test-peers KAULDRON_SRC=... ORBAX_SRC=...
+test-peers: test-kauldron-peer test-orbax-peer
+
 bench: $(STAMP)
 	$(PY) bench/run.py
+
+# Issue 18's object-storage part: the Gemma-like state on a local GCS server.
+bench-gcs: $(STAMP)
+	$(PY) bench/gcs.py --out bench/results/gcs.md
 
 bench-full: $(STAMP)
 	$(PY) bench/run.py --full

@@ -185,6 +185,10 @@ class SafeCheckpointer(kd.ckpts.Checkpointer):
     if not force and not self.should_save(step):
       return False
     items = {k: a.item for k, a in _standard_items(state.__kd_ocp_save_args__()).items()}
+    if not items:
+      # No arrays to bound (e.g. only Kauldron's PerformanceTimer): Kauldron's
+      # own save, as stock.
+      return super().save(state, step=step, force=force, metrics=metrics)
     step_dir = self._step_dir(step)
     reuse_from = None
     if self.reuse_unchanged:
