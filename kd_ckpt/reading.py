@@ -49,6 +49,7 @@ from kd_ckpt import cost
 from kd_ckpt import limiter as limiter_lib
 from kd_ckpt import plan as plan_lib
 from kd_ckpt import slicing
+from kd_ckpt import storage
 from kd_ckpt import text
 
 
@@ -536,10 +537,11 @@ def _open(info, ctx: ReadContext, metadata_key) -> tuple[ts.TensorStore, ts.KvSt
       raise_array_data_missing_error=info.raise_array_data_missing_error,
       target_dtype=None).json
   t = ts.open(spec, open=True, context=ctx.ts_context).result()
+  # Without OCDBT the folder itself is the kvstore: with its trailing slash,
+  # or keys ("big/0.0") would be read beside it ("<dir>big/0.0").
   kv = ts.KvStore.open(
       compat.orbax.build_kvstore_tspec(info.parent_dir.as_posix(), use_ocdbt=True)
-      if info.is_ocdbt_checkpoint else
-      compat.orbax.build_kvstore_tspec(info.parent_dir.as_posix(), use_ocdbt=False),
+      if info.is_ocdbt_checkpoint else storage.kvstore_spec(info.parent_dir),
       context=ctx.ts_context).result()
   return t, kv
 

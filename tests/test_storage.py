@@ -104,3 +104,19 @@ def test_copy_files_hard_links_locally(tmp_path):
   assert not (dst / 'skip').exists()
   assert sorted(rel for rel, _ in storage.files(src)) == ['d/f', 'skip']
   assert storage.total_bytes(src) == 11
+
+
+@pytest.mark.parametrize('zarr3', [False, True])
+def test_checkpoints_without_ocdbt_restore_when_a_chunk_is_bigger_than_a_piece(tmp_path, zarr3):
+  """Without OCDBT each array is a folder; its kvstore needs the trailing slash (issue 19)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  import kd_ckpt  # pylint: disable=g-import-not-at-top
+  tree = {'big': jax.device_put(np.arange(4 << 20, dtype=np.float32).reshape(4096, 1024),
+                                jax.devices()[0])}
+  d = tmp_path / 'c'
+  with ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=False, use_zarr3=zarr3)) as c:
+    c.save(d, args=ocp.args.PyTreeSave(tree))
+  back = kd_ckpt.restore(d, host_ram_budget=40 << 20)  # pieces far below the 16 MiB chunk
+  assert np.asarray(back['big']).tobytes() == np.asarray(tree['big']).tobytes()
