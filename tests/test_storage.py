@@ -113,6 +113,8 @@ def test_checkpoints_without_ocdbt_restore_when_a_chunk_is_bigger_than_a_piece(t
   import numpy as np  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   import kd_ckpt  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import startup  # pylint: disable=g-import-not-at-top
+  startup.start_compiler()  # a process that has compiled (the cold case: test_budget.py)
   tree = {'big': jax.device_put(np.arange(4 << 20, dtype=np.float32).reshape(4096, 1024),
                                 jax.devices()[0])}
   d = tmp_path / 'c'
