@@ -104,6 +104,7 @@ def restore(
     *,
     host_ram_budget: budget_lib.BudgetLike = 'auto',
     verify: bool = False,
+    allow_unchecked: bool = False,
     strict: bool = True,
 ) -> Any:
   """Restores a checkpoint as stock Orbax does, within a host-RAM budget.
@@ -126,6 +127,9 @@ def restore(
       arrays.
     verify: first re-read every leaf and check it against the CRC32C
       recorded at save time (`kd_ckpt.verify`); costs one extra read.
+    allow_unchecked: with `verify`, accept leaves that have no recorded
+      checksum (all of a stock Orbax checkpoint's), as the CLI's
+      `--allow-unchecked`; by default they refuse the restore.
     strict: False lets a target's shapes differ (padding or truncating), as
       Orbax's `StandardRestore(strict=False)`.
 
@@ -134,7 +138,8 @@ def restore(
 
   Raises:
     CorruptCheckpointError: `verify=True` and a leaf does not match.
-    NoChecksumsError: `verify=True` on a checkpoint without kd_ckpt checksums.
+    NoChecksumsError: `verify=True` and some leaves have no recorded checksum
+      (unless `allow_unchecked`).
   """
   # A process's first touch of a bucket (its storage clients) is paid inside
   # the budget: what it took is not there for the reads.
@@ -147,6 +152,12 @@ def restore(
           f'{os.fspath(directory)!r} is corrupt; nothing was restored.'
           f' {check.summary()}\n{check}\nRestore an earlier checkpoint, or'
           ' restore with verify=False to read it anyway.')
+    if check.unchecked and not allow_unchecked:
+      raise verifying.NoChecksumsError(
+          f'{os.fspath(directory)!r}: {len(check.unchecked)} leaves have no recorded'
+          f' checksum ({check.unchecked[0].detail}; first: {check.unchecked[0].path!r});'
+          ' nothing was restored. Pass allow_unchecked=True to restore them'
+          ' unverified, or verify=False.')
   h = handler_lib.SafePyTreeHandler(host_ram_budget=host_ram_budget)
   return h.restore(path, args=handler_lib.SafeRestore(
       item=target, strict=strict, host_ram_budget=host_ram_budget,

@@ -50,7 +50,7 @@ class CorruptCheckpointError(ValueError):
 
 
 class NoChecksumsError(ValueError):
-  """The checkpoint has no kd_ckpt checksums (saved by stock Orbax or older kd_ckpt)."""
+  """`restore(verify=True)` found leaves without a recorded checksum (e.g. stock Orbax's)."""
 
 
 OK, CORRUPT, UNREADABLE, INCOMPLETE, UNCHECKED = (
@@ -200,22 +200,20 @@ def verify(
 
   Returns:
     A VerifyReport; `report.ok` is False when any leaf is corrupt,
-    unreadable or not fully covered.
+    unreadable or not fully covered.  Leaves with no recorded checksum
+    (every leaf of a stock Orbax checkpoint) are listed `unchecked`: the
+    CLI and `restore(verify=True)` refuse them unless allowed.
 
   Raises:
     FileNotFoundError: nothing at `directory`.
-    NoChecksumsError: the checkpoint has no kd_ckpt checksums.
   """
   path = epath.Path(directory)
   if not path.is_dir():
     raise FileNotFoundError(f'No checkpoint at {os.fspath(directory)!r}.')
-  if not integrity.has_checksums(path):
-    raise NoChecksumsError(
-        f'{os.fspath(directory)!r} has no kd_ckpt checksums'
-        f' ({integrity.FILE_PREFIX}.process_*.json): it was saved by stock Orbax'
-        ' or by a kd_ckpt without checksums, so there is nothing to verify'
-        ' against. For a Kauldron step, pass its item folder (ckpt_N/default).'
-    )
+  no_sums = not integrity.has_checksums(path)
+  why_unchecked = (
+      f'no kd_ckpt checksums ({integrity.FILE_PREFIX}.process_*.json): saved by'
+      ' stock Orbax or without checksums' if no_sums else 'no checksum recorded')
   budget_bytes = budget_lib.resolve(budget_lib.parse(host_ram_budget), hostmem.probe())
   ctx = arrays_lib.read_context_for(cost.limiter_capacity(budget_bytes))
   hostmem.use_mmap_for_large_buffers()
@@ -230,7 +228,7 @@ def verify(
         continue
       rec = records.get(name)
       if rec is None:
-        checks.append(LeafCheck(name, name, UNCHECKED, 0, 'no checksum recorded'))
+        checks.append(LeafCheck(name, name, UNCHECKED, 0, why_unchecked))
       else:
         checks.append(check_leaf(path, rec, ctx))
     seconds = time.monotonic() - start

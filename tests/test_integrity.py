@@ -122,15 +122,24 @@ def test_missing_process_file_is_reported_incomplete(tmp_path):
   assert {l.path: l.status for l in report.bad} == {'big': verifying.INCOMPLETE}
 
 
-def test_stock_orbax_checkpoint_has_nothing_to_verify(tmp_path):
+def test_stock_orbax_checkpoint_lists_every_leaf_unchecked(tmp_path):
+  """verify, the CLI and restore(verify=True) agree (issue 19)."""
   d = tmp_path / 'stock'
   ckptr = ocp.StandardCheckpointer()
-  ckptr.save(d, {'w': jnp.ones((4,))})
+  tree = {'w': jnp.ones((4,)), 'b': jnp.zeros((3,))}
+  ckptr.save(d, tree)
   ckptr.wait_until_finished()
-  with pytest.raises(kd_ckpt.NoChecksumsError, match='stock Orbax'):
-    kd_ckpt.verify(d)
+  report = kd_ckpt.verify(d)
+  assert report.ok and sorted(l.path for l in report.unchecked) == ['b', 'w'], str(report)
+  assert 'stock Orbax' in report.unchecked[0].detail
   cli = _cli('verify', str(d))
-  assert cli.returncode == 2 and 'no kd_ckpt checksums' in cli.stderr
+  assert cli.returncode == 1 and 'unchecked' in cli.stderr, cli.stderr[-2000:]
+  assert 'w' in cli.stdout and 'b' in cli.stdout
+  assert _cli('verify', str(d), '--allow-unchecked').returncode == 0
+  with pytest.raises(kd_ckpt.NoChecksumsError, match='allow_unchecked=True'):
+    kd_ckpt.restore(d, verify=True)
+  back = kd_ckpt.restore(d, verify=True, allow_unchecked=True)
+  assert np.asarray(back['w']).tobytes() == np.asarray(tree['w']).tobytes()
 
 
 def test_flipped_byte_in_a_prng_key_leaf_is_named(tmp_path):

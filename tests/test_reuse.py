@@ -267,5 +267,7 @@ def test_verify_reports_unchecked_when_checksums_cannot_be_taken(tmp_path, monke
   monkeypatch.setattr(integrity, 'google_crc32c', None)
   kd_ckpt.save(tmp_path / 'c', {'w': jnp.ones((8,))})
   monkeypatch.undo()
+  report = kd_ckpt.verify(tmp_path / 'c')
+  assert [l.path for l in report.unchecked] == ['w'], str(report)
   with pytest.raises(verifying.NoChecksumsError):
-    kd_ckpt.verify(tmp_path / 'c')
+    kd_ckpt.restore(tmp_path / 'c', verify=True)
