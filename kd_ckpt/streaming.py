@@ -269,23 +269,35 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
         if p.pinned:
           charge += nbytes  # the pinned staging copy, on hosts that have it
         await pipeline.admit(charge)
-        host = to_host(data, src_box, pinned=p.pinned)
-        if host.dtype != target_dtype:
-          host = host.astype(target_dtype)
-        dst = slicing.offset(tuple(rslice.index), box, p.arr.shape)
-        if sums is not None:
-          sums.add(p.name, slicing.pairs(dst, p.arr.shape), host, path=p.name,
-                   shape=p.arr.shape, dtype=target_dtype)
-        if p.byte_limiter is None:
-          pipeline.write(t, dst, host, charge)
-        else:
-          # The user's `save_concurrent_gb` (Orbax's byte limiter) bounds the
-          # bytes being handed to TensorStore at once, as in stock Orbax.
-          await p.byte_limiter.wait_for_bytes(nbytes)
-          try:
-            await pipeline.write(t, dst, host, charge)
-          finally:
-            await p.byte_limiter.release_bytes(nbytes)
+        # Until the slice is staged its charge is this loop's to give back:
+        # a failed copy, cast, checksum or write must not shrink every later
+        # save's limiter (the pipeline's abort releases only staged slices).
+        staged = False
+        try:
+          host = to_host(data, src_box, pinned=p.pinned)
+          if host.dtype != target_dtype:
+            host = host.astype(target_dtype)
+          dst = slicing.offset(tuple(rslice.index), box, p.arr.shape)
+          if sums is not None:
+            sums.add(p.name, slicing.pairs(dst, p.arr.shape), host, path=p.name,
+                     shape=p.arr.shape, dtype=target_dtype)
+          if p.byte_limiter is None:
+            pipeline.write(t, dst, host, charge)
+            staged = True
+          else:
+            # The user's `save_concurrent_gb` (Orbax's byte limiter) bounds the
+            # bytes being handed to TensorStore at once, as in stock Orbax.
+            await p.byte_limiter.wait_for_bytes(nbytes)
+            try:
+              staging = pipeline.write(t, dst, host, charge)
+              staged = True
+              await staging
+            finally:
+              await p.byte_limiter.release_bytes(nbytes)
+        except BaseException:
+          if not staged:
+            pipeline.lim.release(charge)
+          raise
         del host
         await pipeline.maybe_flush()
 

@@ -307,3 +307,30 @@ def test_streaming_transfers_honour_enable_pinned_host_transfer(tmp_path, pinned
   assert flags and set(flags) == {pinned}
   assert len(flags) == 8 + 1  # one whole shard per device of 'w', and 'b'
   _assert_equal(tree, ocp.StandardCheckpointer().restore(tmp_path / 'c', _abstract(tree)))
+
+
+def test_a_failed_slice_gives_its_charge_back(tmp_path, monkeypatch):
+  """A slice that fails before it is staged (device-to-host copy, cast, checksum,
+  write) releases what it was admitted for: the next save has the whole limiter."""
+  from kd_ckpt import limiter as limiter_lib  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import streaming  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import startup  # pylint: disable=g-import-not-at-top
+  startup.start_compiler()  # as a training process has
+  real, calls = streaming.to_host, []
+
+  def flaky(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 3:
+      raise RuntimeError('device-to-host copy failed')
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(streaming, 'to_host', flaky)
+  tree = {'w': jnp.arange(4 << 20, dtype=jnp.float32).reshape(4096, 1024)}
+  with pytest.raises(RuntimeError, match='device-to-host'):
+    kd_ckpt.save(tmp_path / 'a', tree, strategy='streaming', host_ram_budget=64 << 20)
+  assert len(calls) == 3
+  assert limiter_lib.process_limiter().in_use_bytes == 0
+  monkeypatch.setattr(streaming, 'to_host', real)
+  kd_ckpt.save(tmp_path / 'b', tree, strategy='streaming', host_ram_budget=64 << 20)
+  assert np.asarray(kd_ckpt.restore(tmp_path / 'b')['w']).tobytes() == np.asarray(tree['w']).tobytes()
