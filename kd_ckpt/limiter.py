@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import dataclasses
 import threading
+import time
 from typing import AsyncIterator, Iterator
 
 from kd_ckpt import hostmem
@@ -34,6 +35,17 @@ from kd_ckpt import hostmem
 
 class RequestTooLargeError(ValueError):
   """One buffer needs more than the limiter's whole capacity."""
+
+
+class LimiterStalledError(RuntimeError):
+  """A wait saw no bytes released for `STALL_SECS`, or its operation's lease ended."""
+
+
+# A wait fails when nothing at all is released for this long: bytes held by
+# something that will never give them back (a bug, a wedged write) must
+# fail the save with a message, not hang the training loop.  Any release
+# restarts the clock, so a slow but moving save (a big upload) never trips it.
+STALL_SECS = 300.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +68,7 @@ class HostLimiter:
     self._peak = 0
     self._waits = 0
     self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+    self._releases = 0  # Bumped by every release: a waiter's sign of progress.
 
   def __deepcopy__(self, memo) -> 'HostLimiter':
     return self  # One per process: copies of handlers share it.
@@ -94,7 +107,9 @@ class HostLimiter:
   def _check(self, nbytes: int) -> None:
     cap = min(self._leases) if self._leases else None
     if cap is None:
-      raise RuntimeError('HostLimiter used outside a lease(): nothing bounds it.')
+      raise LimiterStalledError(
+          'HostLimiter used outside a lease() (or the operation it belonged to'
+          ' has ended): nothing bounds it.')
     if nbytes > cap:
       raise RequestTooLargeError(
           f'A single host buffer of {hostmem.format_bytes(nbytes)} is more than'
@@ -112,15 +127,36 @@ class HostLimiter:
       self._peak = max(self._peak, self._in_use)
       return True
 
+  def _stalled(self, nbytes: int) -> LimiterStalledError:
+    return LimiterStalledError(
+        f'Waited {STALL_SECS:.0f} s for {hostmem.format_bytes(nbytes)} of host'
+        f' buffers while {hostmem.format_bytes(self._in_use)} stayed held and none'
+        ' was released: a write or read is wedged (storage unreachable?). The'
+        ' operation fails rather than hang; earlier checkpoints are untouched.')
+
   def acquire(self, nbytes: int) -> None:
-    """Takes `nbytes`, blocking the calling thread until they fit."""
+    """Takes `nbytes`, blocking the calling thread until they fit.
+
+    Raises:
+      LimiterStalledError: nothing was released for `STALL_SECS`, or the
+        lease this wait belonged to ended.
+    """
     nbytes = int(nbytes)
     with self._cond:
       self._check(nbytes)
       if self._in_use + nbytes > min(self._leases):
         self._waits += 1
-      while self._in_use + nbytes > min(self._leases):
-        self._cond.wait()
+      seen, since = self._releases, time.monotonic()
+      while True:
+        self._check(nbytes)  # The lease may have ended while we waited.
+        if self._in_use + nbytes <= min(self._leases):
+          break
+        if self._releases != seen:
+          seen, since = self._releases, time.monotonic()
+        left = STALL_SECS - (time.monotonic() - since)
+        if left <= 0:
+          raise self._stalled(nbytes)
+        self._cond.wait(timeout=min(left, 5.0))
       self._in_use += nbytes
       self._peak = max(self._peak, self._in_use)
 
@@ -129,6 +165,7 @@ class HostLimiter:
     nbytes = int(nbytes)
     loop = asyncio.get_running_loop()
     counted = False
+    seen, since = None, time.monotonic()
     while True:
       with self._lock:
         self._check(nbytes)
@@ -139,13 +176,22 @@ class HostLimiter:
         if not counted:
           self._waits += 1
           counted = True
+        if self._releases != seen:
+          seen, since = self._releases, time.monotonic()
+        left = STALL_SECS - (time.monotonic() - since)
+        if left <= 0:
+          raise self._stalled(nbytes)
         fut = loop.create_future()
         self._waiters.append((loop, fut))
-      await fut
+      try:
+        await asyncio.wait_for(asyncio.shield(fut), timeout=min(left, 5.0))
+      except asyncio.TimeoutError:
+        pass
 
   def release(self, nbytes: int) -> None:
     with self._lock:
       self._in_use -= int(nbytes)
+      self._releases += 1
       assert self._in_use >= 0, 'released more than acquired'
     self._wake()
 
