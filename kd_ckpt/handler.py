@@ -159,7 +159,7 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     # Plain StandardSave args (e.g. Orbax's own code) bring no plan: plan here.
     plan = getattr(args, 'plan', None) or plan_lib.plan_save(
         item, host_ram_budget=self._budget, strategy=self._strategy,
-        startup_bytes=startup.start_compiler())
+        startup_bytes=startup.start_compiler() if startup.compiles(item) else 0)
     ctx = getattr(args, 'context', None) or context_for(plan)
     if plan.strategy == 'streaming':
       array_handler = streaming.StreamingArrayHandler(
@@ -235,7 +235,10 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     num_leaves = len([n for n, t in compat.stored_params(directory) if t in _STORED_TYPES])
     # A process whose first jit is this restore pays XLA's start-up first
     # (placing pieces compiles): the pieces share what is left.
-    compiler_bytes = startup.start_compiler()
+    # Only jax.Array leaves are placed on devices (programs); a checkpoint of
+    # numpy arrays and scalars restores without compiling.
+    arrays = any(t == 'jax.Array' for _, t in compat.stored_params(directory))
+    compiler_bytes = startup.start_compiler() if arrays else 0
     # Likewise a first touch of a bucket (`kd_ckpt.restore` starts the clients
     # before it looks for the checkpoint, and says what that took).
     storage_bytes = getattr(args, 'storage_startup_bytes', 0) + startup.start_storage(directory)

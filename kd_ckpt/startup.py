@@ -100,3 +100,13 @@ def start_storage(directory) -> int:
     _storage_started.add(scheme)
   peak = hwm_after if hwm_after > hwm_before else after
   return max(0, peak - before)
+
+
+def compiles(tree) -> bool:
+  """Whether saving or restoring `tree` can compile anything: it holds a jax.Array.
+
+  Trees of numpy arrays and Python scalars go through Orbax's numpy and
+  scalar handlers only, which compile nothing: their saves pay no start-up.
+  """
+  return any(isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
+             for x in jax.tree_util.tree_leaves(tree))

@@ -251,3 +251,28 @@ def test_streaming_prediction_is_an_upper_bound_by_construction():
   with pytest.raises(plan_lib.BudgetTooSmallError, match='smallest budget kd_ckpt'):
     plan_lib.plan_from_estimate(est, budget_bytes=cost.min_budget_bytes() - 1,
                                 strategy='streaming')
+
+
+@pytest.mark.slow
+def test_trees_without_jax_arrays_pay_no_compiler_start_up(tmp_path):
+  """numpy arrays and scalars compile nothing: a cold process saves them at 64 MiB (issue 19)."""
+  import subprocess, sys, json as json_lib  # pylint: disable=g-import-not-at-top,multiple-imports
+  code = '''
+import json, sys
+import numpy as np
+import kd_ckpt
+from kd_ckpt import hostmem, startup
+tree = {"w": np.arange(1 << 20, dtype=np.float32), "n": 3, "x": 2.5}
+hostmem.release_free_memory()
+with hostmem.PeakRss() as peak:
+  r = kd_ckpt.save(sys.argv[1], tree, strategy="streaming", host_ram_budget=64 << 20)
+back = kd_ckpt.restore(sys.argv[1], host_ram_budget=40 << 20)
+print(json.dumps({"startup": r.startup_bytes, "peak": peak.extra_bytes,
+                  "compiled": startup._started, "same": bool((back["w"] == tree["w"]).all())}))
+'''
+  proc = subprocess.run([sys.executable, '-c', code, str(tmp_path / 'c')], capture_output=True,
+                        text=True, timeout=300, env={**os.environ, 'JAX_PLATFORMS': 'cpu'})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  r = json_lib.loads(proc.stdout.strip().splitlines()[-1])
+  assert r['startup'] == 0 and not r['compiled'] and r['same'], r
+  assert r['peak'] <= 64 * MiB + TOLERANCE, r
