@@ -105,6 +105,7 @@ class MeasuredSave:
     self._lock = threading.Lock()
     self._pending = set(self.items)
     self._end = None
+    self._frozen = False
     self.report: report_lib.SaveReport | None = None
     self.async_commit = False
 
@@ -149,8 +150,14 @@ class MeasuredSave:
       self._pending.discard(name)
       done = not self._pending
     if done:
-      self._peak.sample()
       self._end = time.monotonic()
+      if self.async_commit:
+        # The report is frozen here, not at the next save, wait or close:
+        # training goes on in between and its memory is not this save's.
+        self._peak.__exit__(None, None, None)
+        self._frozen = True
+      else:
+        self._peak.sample()
 
   def fail(self, e: BaseException) -> None:
     """Removes the unfinished save; a full disk becomes `DiskFullError`."""
@@ -180,7 +187,8 @@ class MeasuredSave:
           ' with stock item_handlers before kd_ckpt saw it), so nothing of this'
           ' save was bounded. Create the manager with'
           ' kd_ckpt.handler.SafePyTreeHandler (SafeCheckpointer does).')
-    self._peak.__exit__(None, None, None)
+    if not self._frozen:
+      self._peak.__exit__(None, None, None)
     end = self._end if self._end is not None else time.monotonic()
     for tree in self.items.values():
       after_save(tree)

@@ -276,3 +276,33 @@ print(json.dumps({"startup": r.startup_bytes, "peak": peak.extra_bytes,
   r = json_lib.loads(proc.stdout.strip().splitlines()[-1])
   assert r['startup'] == 0 and not r['compiled'] and r['same'], r
   assert r['peak'] <= 64 * MiB + TOLERANCE, r
+
+
+def test_async_report_is_frozen_at_commit_not_at_the_next_call(tmp_path):
+  """Memory the training loop allocates after the commit is not the save's (issue 19)."""
+  import time  # pylint: disable=g-import-not-at-top
+  import flax  # pylint: disable=g-import-not-at-top
+  from kauldron import kd  # pylint: disable=g-import-not-at-top
+
+  @flax.struct.dataclass
+  class State(kd.ckpts.items.StandardCheckpointItem):
+    params: dict
+
+  ckpt = kd_ckpt.SafeCheckpointer(workdir=tmp_path, save_interval_steps=1,
+                                  host_ram_budget=512 * MiB, strategy='orbax')
+  state = State(params={'w': jnp.ones((1024, 1024))})
+  ckpt.save(state, step=1)
+  _, session = ckpt._kd['pending']  # pylint: disable=protected-access
+  assert session.async_commit
+  deadline = time.monotonic() + 60
+  while session._end is None and time.monotonic() < deadline:  # pylint: disable=protected-access
+    time.sleep(0.05)
+  assert session._end is not None  # pylint: disable=protected-access
+  after_commit = np.ones(256 * MiB // 8)  # the next training steps' memory
+  ckpt.wait_until_finished()
+  report = ckpt.reports[-1]
+  assert report.async_commit
+  assert report.peak_extra_bytes < 128 * MiB, str(report)
+  assert report.retained_bytes < 128 * MiB, str(report)
+  del after_commit
+  ckpt.close()
