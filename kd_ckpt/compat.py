@@ -308,7 +308,21 @@ def kauldron() -> types.SimpleNamespace:
   return types.SimpleNamespace(
       checkpoint_folder_name=n('kauldron.checkpoints.checkpointer',
                                'CHECKPOINT_FOLDER_NAME', kind='value'),
+      # `Checkpointer.save` without Kauldron's retry decorator (3 retries of
+      # any ValueError, 5 s apart): kd_ckpt retries with a fresh save itself.
+      unretried_save=_unwrapped('kauldron.checkpoints.checkpointer', 'Checkpointer', 'save'),
   )
+
+
+def _unwrapped(module: str, cls: str, method: str) -> Callable[..., Any]:
+  owner = _need('kauldron', module, cls, kind='value')
+  fn = getattr(owner, method, None)
+  inner = getattr(fn, '__wrapped__', None)
+  if inner is None:
+    raise IncompatibleVersionError(_message(
+        'kauldron', module, f'{cls}.{method}.__wrapped__', (),
+        'the method is no longer wrapped by a functools.wraps decorator'))
+  return inner
 
 
 def backends_initialized() -> bool:

@@ -5,6 +5,7 @@ elsewhere): a real filesystem that really runs out of space.
 """
 
 import contextlib
+import json
 import os
 import subprocess
 import time
@@ -251,3 +252,45 @@ def test_ten_thousand_tiny_leaves(tmp_path, strategy, record_property):
   record_property('restore_ms_per_leaf', round(restore_ms, 3))
   print(f'\n10k leaves, {strategy}: save {save_ms:.2f} ms/leaf,'
         f' restore {restore_ms:.2f} ms/leaf, peak {report.peak_extra_bytes / MiB:.0f} MiB')
+
+
+def test_safe_checkpointer_retries_with_a_fresh_save_and_never_its_own_errors(tmp_path, monkeypatch):
+  """Kauldron retries any ValueError with the same arguments; kd_ckpt does not (issue 19)."""
+  import flax  # pylint: disable=g-import-not-at-top
+  from kauldron import kd  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import integrity  # pylint: disable=g-import-not-at-top
+  from kd_ckpt.kauldron import checkpointer as ckpt_lib  # pylint: disable=g-import-not-at-top
+
+  @flax.struct.dataclass
+  class State(kd.ckpts.items.StandardCheckpointItem):
+    params: dict
+
+  monkeypatch.setattr(ckpt_lib, 'SAVE_RETRY_SECS', 0.0)
+  ckpt = kd_ckpt.SafeCheckpointer(workdir=tmp_path / 'w', save_interval_steps=1,
+                                  host_ram_budget=256 << 20, strategy='streaming')
+  state = State(params={'w': jnp.arange(1 << 16, dtype=jnp.float32), 'b': jnp.ones((7,))})
+  real, calls = ckpt_lib.SafeCheckpointer._unretried_save, []
+
+  def flaky(self, item, **kwargs):
+    calls.append(1)
+    if len(calls) == 1:
+      raise ValueError('flaky Orbax error')
+    return real(self, item, **kwargs)
+
+  monkeypatch.setattr(ckpt_lib.SafeCheckpointer, '_unretried_save', flaky)
+  ckpt.save(state, step=1)
+  ckpt.wait_until_finished()
+  assert len(calls) == 2
+  report = ckpt.reports[-1]
+  assert report.bytes_written == (1 << 16) * 4 + 7 * 4, str(report)  # counted once
+  item = tmp_path / 'w' / 'checkpoints' / 'ckpt_1' / 'default'
+  records = json.loads((item / integrity.file_name(0)).read_text())['leaves']
+  assert sorted(records) == ['params.b', 'params.w']
+  assert kd_ckpt.verify(item).ok
+  # kd_ckpt's own errors are raised at once, not retried 3 times 5 s apart.
+  calls.clear()
+  small = kd_ckpt.SafeCheckpointer(workdir=tmp_path / 'v', save_interval_steps=1,
+                                   host_ram_budget=1 << 20, strategy='streaming')
+  with pytest.raises(kd_ckpt.BudgetTooSmallError):
+    small.save(state, step=1)
+  assert not calls

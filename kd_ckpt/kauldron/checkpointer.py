@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Any, Optional
 
 from absl import logging
@@ -36,10 +37,19 @@ import orbax.checkpoint as ocp
 from kd_ckpt import budget as budget_lib
 from kd_ckpt import compat
 from kd_ckpt import handler as handler_lib
+from kd_ckpt import limiter as limiter_lib
 from kd_ckpt import plan as plan_lib
 from kd_ckpt import report as report_lib
 from kd_ckpt import session as session_lib
 from kd_ckpt import storage
+
+
+# Kauldron's own policy for a failed save (flaky Orbax ValueErrors), applied
+# by kd_ckpt to fresh saves; kd_ckpt's own errors are never retried.
+SAVE_RETRIES = 3
+SAVE_RETRY_SECS = 5.0
+NOT_RETRIED = (plan_lib.BudgetTooSmallError, storage.UnsupportedStorageError,
+               limiter_lib.RequestTooLargeError)
 
 
 def _standard_items(args) -> dict[str, ocp.args.StandardSave]:
@@ -160,6 +170,9 @@ class SafeCheckpointer(kd.ckpts.Checkpointer):
       mgr = dataclasses.replace(mgr, options=options)
     return mgr
 
+  def _unretried_save(self, state, **kwargs) -> bool:
+    return compat.kauldron().unretried_save(self, state, **kwargs)
+
   @functools.cached_property
   def _handler(self) -> handler_lib.SafePyTreeHandler:
     return handler_lib.SafePyTreeHandler(
@@ -195,18 +208,33 @@ class SafeCheckpointer(kd.ckpts.Checkpointer):
       earlier = [s for s in self.all_steps if s < step]
       prev = self._step_dir(max(earlier)) if earlier else None
       reuse_from = {k: (prev / k if prev is not None else None) for k in items}
-    s = session_lib.MeasuredSave(
-        step_dir, items, host_ram_budget=self._budget(), strategy=self.strategy,
-        reuse_from=reuse_from, label=f'step {step}')
-    s.check_disk()
-    async_commit = s.plan.strategy == 'orbax'
-    with s.running(async_commit=async_commit):
-      super().save(_SafeItem(state, self._handler, session=s), step=step,
-                   force=force, metrics=metrics)
-      if not async_commit:
-        # Streaming wrote everything already; Orbax's finalize and rename
-        # are part of the save the report measures.
-        super().wait_until_finished()
+    # Kauldron retries any ValueError of a save 3 times, 5 s apart, with the
+    # same arguments.  kd_ckpt calls the save without that decorator and
+    # retries itself: each attempt is a fresh measured save (no checksum or
+    # fingerprint recorded twice, no byte counted twice), and kd_ckpt's own
+    # errors, which a retry cannot fix, are raised at once.
+    for attempt in range(SAVE_RETRIES + 1):
+      s = session_lib.MeasuredSave(
+          step_dir, items, host_ram_budget=self._budget(), strategy=self.strategy,
+          reuse_from=reuse_from, label=f'step {step}')
+      s.check_disk()
+      async_commit = s.plan.strategy == 'orbax'
+      try:
+        with s.running(async_commit=async_commit):
+          self._unretried_save(_SafeItem(state, self._handler, session=s), step=step,
+                               force=force, metrics=metrics)
+          if not async_commit:
+            # Streaming wrote everything already; Orbax's finalize and rename
+            # are part of the save the report measures.
+            super().wait_until_finished()
+        break
+      except ValueError as e:
+        if isinstance(e, NOT_RETRIED) or attempt == SAVE_RETRIES:
+          raise
+        logging.warning('kd_ckpt step %d: save attempt %d failed (%s: %s); retrying'
+                        ' in %.0f s with a fresh save.', step, attempt + 1,
+                        type(e).__name__, e, SAVE_RETRY_SECS)
+        time.sleep(SAVE_RETRY_SECS)
     if async_commit:
       self._kd['pending'] = (step, s)
       logging.info('kd_ckpt step %d: async save started (%s); its report follows'
