@@ -65,9 +65,32 @@ def available() -> bool:
   return google_crc32c is not None
 
 
+def _warn_if_slow() -> None:
+  """Says once, with the speed, when google-crc32c runs its pure-Python fallback.
+
+  google-crc32c installs without its C extension where no wheel matches
+  (and falls back silently): every saved byte is then checksummed in Python.
+  """
+  if getattr(google_crc32c, 'implementation', 'c') == 'c':
+    return
+  import time  # pylint: disable=g-import-not-at-top
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  probe = np.zeros(1 << 16, np.uint8)
+  start = time.perf_counter()
+  google_crc32c.extend(0, probe)
+  secs = max(time.perf_counter() - start, 1e-9)
+  logging.log_first_n(
+      logging.WARNING, 'kd_ckpt: google-crc32c is running its pure-Python fallback'
+      f' ({probe.nbytes / secs / 1e6:.1f} MB/s here, against ~7 GB/s for its C'
+      ' extension): checksums will dominate save time. Reinstall google-crc32c'
+      ' with a wheel for this platform (pip install --force-reinstall'
+      ' google-crc32c), or install a C compiler so it builds.', 1)
+
+
 def collector() -> 'Checksums | None':
   """A new save's collector, or None (logged once) where CRC32C is unavailable."""
   if available():
+    _warn_if_slow()
     return Checksums()
   from absl import logging  # pylint: disable=g-import-not-at-top
   logging.log_first_n(

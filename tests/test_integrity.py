@@ -169,3 +169,13 @@ def test_leaf_without_checksum_is_unchecked_and_fails_the_cli(tmp_path):
   cli = _cli('verify', str(d))
   assert cli.returncode == 1 and 'unchecked' in cli.stderr, cli.stderr[-2000:]
   assert _cli('verify', str(d), '--allow-unchecked').returncode == 0
+
+
+def test_pure_python_crc32c_is_named_with_its_speed(monkeypatch):
+  """google-crc32c falls back to Python silently; kd_ckpt says so (issue 19)."""
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(integrity.google_crc32c, 'implementation', 'python')
+  seen = []
+  monkeypatch.setattr(logging, 'log_first_n', lambda level, msg, n, *a: seen.append(msg))
+  assert integrity.collector() is not None
+  assert seen and 'pure-Python' in seen[0] and 'MB/s' in seen[0], seen
