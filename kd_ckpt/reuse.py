@@ -424,7 +424,13 @@ def prune(directory) -> None:
   linked = [(rel, p) for rel, p in storage.files(directory) if LINK_DIR in rel.split('/')]
   if not linked:
     return
-  used = referenced_files(directory)
+  try:
+    used = referenced_files(directory)
+  except UnparsedReferenceError as e:
+    # Fail closed: a reference we cannot read may be to any linked file.
+    # Keeping them all costs disk, never data.
+    logging.warning('kd_ckpt: kept every reused file of %s (%s).', directory, e)
+    return
   storage.remove_files(p for rel, p in linked if rel not in used)
 
 
@@ -456,9 +462,19 @@ def referenced_files(directory) -> set[str]:
   return {u for u in used if u}
 
 
+class UnparsedReferenceError(ValueError):
+  """`ocdbt.dump` gave a location this version of kd_ckpt cannot read."""
+
+
 def _file_of(location: str) -> str:
-  """'value:<base>:<file>:<off>:<len>' or 'btreenode:<base>:<file>:...' -> '<base><file>'."""
-  parts = location.split(':')
-  if len(parts) < 3:
-    return ''
+  """'value:<base>:<file>:<off>:<len>' or 'btreenode:<base>:<file>:...' -> '<base><file>'.
+
+  Raises:
+    UnparsedReferenceError: any other shape (TensorStore's dump is
+      experimental): `prune` then deletes nothing.
+  """
+  parts = location.split(':') if isinstance(location, str) else []
+  if len(parts) < 3 or parts[0] not in ('value', 'btreenode', 'versionnode') or not parts[2]:
+    raise UnparsedReferenceError(
+        f'unrecognised OCDBT location {location!r} from tensorstore.ocdbt.dump')
   return posixpath.normpath(parts[1] + parts[2])

@@ -271,3 +271,30 @@ def test_verify_reports_unchecked_when_checksums_cannot_be_taken(tmp_path, monke
   assert [l.path for l in report.unchecked] == ['w'], str(report)
   with pytest.raises(verifying.NoChecksumsError):
     kd_ckpt.restore(tmp_path / 'c', verify=True)
+
+
+def test_pruning_fails_closed_on_a_reference_it_cannot_read(tmp_path, monkeypatch):
+  """An unparsed `ocdbt.dump` location deletes nothing (issue 19): disk, never data."""
+  from kd_ckpt import reuse as reuse_lib  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import storage  # pylint: disable=g-import-not-at-top
+  for bad in ('', 'value', 'blob:x:y:0:1', None):
+    with pytest.raises(reuse_lib.UnparsedReferenceError):
+      reuse_lib._file_of(bad)  # pylint: disable=protected-access
+  assert reuse_lib._file_of('value:a/:d/f:0:4') == 'a/d/f'  # pylint: disable=protected-access
+  t = {'a': jnp.arange(1 << 18, dtype=jnp.float32), 'b': jnp.ones((1 << 16,))}
+  kd_ckpt.save(tmp_path / '1', t, fingerprint=True)
+  real = reuse_lib.referenced_files
+
+  def unreadable(directory):
+    real(directory)
+    raise reuse_lib.UnparsedReferenceError('unrecognised OCDBT location')
+
+  monkeypatch.setattr(reuse_lib, 'referenced_files', unreadable)
+  kd_ckpt.save(tmp_path / '2', dict(t, b=t['b'] + 1), reuse_from=tmp_path / '1')
+  linked = [rel for rel, _ in storage.files(tmp_path / '2') if reuse_lib.LINK_DIR in rel]
+  monkeypatch.undo()
+  kept_all = [rel for rel, _ in storage.files(tmp_path / '1')
+              if rel.split('/')[-1] == 'manifest.ocdbt' or '/d/' in f'/{rel}']
+  assert len(linked) == len(kept_all) > 1, (linked, kept_all)
+  back = ocp.StandardCheckpointer().restore(tmp_path / '2')
+  assert np.asarray(back['a']).tobytes() == np.asarray(t['a']).tobytes()
