@@ -122,6 +122,11 @@ DEFAULT_BUDGET_BYTES = 256 << 20
 class KdArrayHandler(ocp.type_handlers.ArrayHandler):
   """Orbax's ArrayHandler with kd_ckpt's shared save prelude and bounded read."""
 
+  @property
+  def _options(self):
+    """Orbax's options of this handler (replica parallelism, primary host, metadata)."""
+    return compat.array_handler_options(self)
+
   def __init__(self, *, save: SaveContext | None = None,
                read: reading.ReadContext | None = None,
                use_replica_parallel: bool = True, **kwargs):

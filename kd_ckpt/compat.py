@@ -284,6 +284,46 @@ def make_format(layout: Any, sharding: Any) -> Any:
   return fmt(layout, sharding)
 
 
+# Orbax's ArrayHandler keeps its constructor options in private attributes;
+# kd_ckpt's handlers (subclasses) and readers need them.  Read here only.
+_ARRAY_HANDLER_ATTRS = {
+    'replica_id': '_replica_id',
+    'use_replica_parallel': '_use_replica_parallel',
+    'min_slice_bytes_for_replica_parallel': '_min_slice_bytes_for_replica_parallel',
+    'max_replicas_for_replica_parallel': '_max_replicas_for_replica_parallel',
+    'primary_host': '_primary_host',
+    'array_metadata_store': '_array_metadata_store',
+    'metadata_key': '_metadata_key',
+    'enable_write_sharding_file': '_enable_write_sharding_file',
+}
+
+
+def array_handler_options(handler: Any) -> types.SimpleNamespace:
+  """An Orbax `ArrayHandler`'s options (replica parallelism, primary host, metadata).
+
+  Raises:
+    IncompatibleVersionError: this orbax-checkpoint keeps one under another name.
+  """
+  out = {}
+  for name, attr in _ARRAY_HANDLER_ATTRS.items():
+    if not hasattr(handler, attr):
+      raise IncompatibleVersionError(_message(
+          'orbax-checkpoint', type(handler).__module__, f'ArrayHandler.{attr}', (),
+          'the handler no longer keeps this option there'))
+    out[name] = getattr(handler, attr)
+  return types.SimpleNamespace(**out)
+
+
+def single_device_arrays(arr: Any) -> list[Any]:
+  """A jax.Array's per-device arrays (JAX's `_arrays`; [] where it has none)."""
+  return list(getattr(arr, '_arrays', None) or [])
+
+
+def has_host_cache(arr: Any) -> bool:
+  """Whether JAX cached a host copy on `arr` (`_npy_value`)."""
+  return getattr(arr, '_npy_value', None) is not None
+
+
 def drop_host_cache(arr: Any) -> bool:
   """Drops the host copy JAX cached on `arr` (`_npy_value`); False if refused.
 

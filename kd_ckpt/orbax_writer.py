@@ -52,9 +52,9 @@ class OrbaxArrayHandler(arrays_lib.KdArrayHandler):
     w_args = [args[i] for i in write_idx]
     pinned = bool(infos[0].enable_pinned_host_transfer)
     host = compat.orbax.transfer_arrays_to_host(
-        w_arrays, self._replica_id, self._use_replica_parallel,
-        min_slice_bytes_for_replica_parallel=self._min_slice_bytes_for_replica_parallel,
-        max_replicas_for_replica_parallel=self._max_replicas_for_replica_parallel,
+        w_arrays, self._options.replica_id, self._options.use_replica_parallel,
+        min_slice_bytes_for_replica_parallel=self._options.min_slice_bytes_for_replica_parallel,
+        max_replicas_for_replica_parallel=self._options.max_replicas_for_replica_parallel,
         enable_pinned_host_transfer=pinned) if w_arrays else []
     sums = self.save_context.checksums
     if sums is not None:
@@ -63,7 +63,7 @@ class OrbaxArrayHandler(arrays_lib.KdArrayHandler):
           sums.add(info.name, slicing.pairs(rs.index, rslices.global_shape), rs.data(),
                    path=info.name, shape=rslices.global_shape, dtype=rslices.dtype)
     stats = self.save_context.stats
-    primary = self._primary_host
+    primary = self._options.primary_host
     # What the background write needs of the arrays, taken now: the caller
     # may donate them as soon as `save()` returns.
     metadatas = ([self._write_spec(a, i, g, ext).metadata for a, i, g in zip(arrays, infos, args)]
@@ -71,8 +71,8 @@ class OrbaxArrayHandler(arrays_lib.KdArrayHandler):
     kvstore_spec = (reuse.kvstore_of(self._write_spec(arrays[0], infos[0], args[0], ext).json)
                     if reuse_job is not None else None)
     shardings = [a.sharding for a in arrays]
-    store = self._array_metadata_store
-    metadata_key = self._metadata_key
+    store = self._options.array_metadata_store
+    metadata_key = self._options.metadata_key
 
     async def write():
       await asyncio.gather(*[info.await_path_creation() for info in infos])
@@ -90,7 +90,7 @@ class OrbaxArrayHandler(arrays_lib.KdArrayHandler):
                           process_index=jax.process_index())
 
     futures = []
-    if self._enable_write_sharding_file:
+    if self._options.enable_write_sharding_file:
       futures.append(ocp.future.CommitFutureAwaitingContractedSignals(
           compat.orbax.serialize_shardings(
               shardings=shardings, infos=infos, primary_host=primary),
@@ -102,12 +102,12 @@ class OrbaxArrayHandler(arrays_lib.KdArrayHandler):
   def _write_spec(self, arr, info, arg, ext):
     """The zarr spec Orbax writes `arr` with (its metadata is what we record)."""
     rslices = compat.orbax.get_replica_slices(
-        arr, self._replica_id, self._use_replica_parallel,
-        self._min_slice_bytes_for_replica_parallel,
-        self._max_replicas_for_replica_parallel)
+        arr, self._options.replica_id, self._options.use_replica_parallel,
+        self._options.min_slice_bytes_for_replica_parallel,
+        self._options.max_replicas_for_replica_parallel)
     return compat.orbax.build_array_write_spec(
         info=info, arg=arg, global_shape=arr.shape,
         local_shape=tuple(rslices.local_shape), dtype=arr.dtype,
         use_ocdbt=info.is_ocdbt_checkpoint,
         process_index=compat.orbax.process_subdir(info.is_ocdbt_checkpoint),
-        metadata_key=self._metadata_key, ext_metadata=ext.get(info.name))
+        metadata_key=self._options.metadata_key, ext_metadata=ext.get(info.name))

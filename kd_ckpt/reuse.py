@@ -188,10 +188,10 @@ def _log_once(message: str) -> None:
 
 def write_set(handler, arr: jax.Array) -> list[tuple[Any, slicing.Box, slicing.Box]]:
   """(single-device array, box in it, global box) of what this process writes of `arr`."""
+  o = compat.array_handler_options(handler)
   rslices = compat.orbax.get_replica_slices(
-      arr, handler._replica_id, handler._use_replica_parallel,  # pylint: disable=protected-access
-      handler._min_slice_bytes_for_replica_parallel,  # pylint: disable=protected-access
-      handler._max_replicas_for_replica_parallel)  # pylint: disable=protected-access
+      arr, o.replica_id, o.use_replica_parallel, o.min_slice_bytes_for_replica_parallel,
+      o.max_replicas_for_replica_parallel)
   out = []
   for rs in rslices.replica_slices:
     data = rs.unsliced_data
@@ -318,7 +318,8 @@ async def split(handler, arrays, infos, ctx) -> tuple[list[int], Any]:
               f' {source.directory} into {db_dir} ({e.strerror or e}; another'
               ' filesystem or bucket?).')
     return list(range(len(arrays))), None
-  primary = handler._primary_host is None or jax.process_index() == handler._primary_host  # pylint: disable=protected-access
+  primary_host = compat.array_handler_options(handler).primary_host
+  primary = primary_host is None or jax.process_index() == primary_host
 
   async def job(context: ts.Context, kvstore_spec: dict[str, Any]) -> None:
     await copy_leaves(db_dir, names, [records[i] for i in reused], primary, context,

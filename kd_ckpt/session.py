@@ -33,6 +33,7 @@ import jax
 
 from kd_ckpt import arrays as arrays_lib
 from kd_ckpt import budget as budget_lib
+from kd_ckpt import compat
 from kd_ckpt import cost
 from kd_ckpt import handler as handler_lib
 from kd_ckpt import hostmem
@@ -228,8 +229,8 @@ def after_save(tree: Any) -> None:
   for leaf in jax.tree_util.tree_leaves(tree):
     if refused or not isinstance(leaf, jax.Array):
       continue
-    for arr in [leaf, *(getattr(leaf, '_arrays', None) or [])]:
-      if getattr(arr, '_npy_value', None) is not None and not _drop(arr):
+    for arr in [leaf, *compat.single_device_arrays(leaf)]:
+      if compat.has_host_cache(arr) and not compat.drop_host_cache(arr):
         refused = True
         logging.log_first_n(
             logging.WARNING, 'kd_ckpt: cannot drop the host copy JAX cached on a'

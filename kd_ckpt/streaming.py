@@ -187,27 +187,27 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
       finally:
         lim.release(leaves)
     hostmem.release_free_memory()
-    if self._array_metadata_store is not None:
-      await self._array_metadata_store.write(
+    if self._options.array_metadata_store is not None:
+      await self._options.array_metadata_store.write(
           checkpoint_dir=infos[0].parent_dir,
           array_metadatas=[p.spec.metadata for p in prepared],
           process_index=jax.process_index())
     futures = []
-    if self._enable_write_sharding_file:
+    if self._options.enable_write_sharding_file:
       # Orbax's own sharding file writer: same `_sharding` as a stock save.
       # Started after the data, so a failed save leaves no writer behind.
       futures.append(ocp.future.CommitFutureAwaitingContractedSignals(
           compat.orbax.serialize_shardings(
               shardings=[a.sharding for a in arrays], infos=infos,
-              primary_host=self._primary_host),
+              primary_host=self._options.primary_host),
           name='kd_ckpt_serialize_shardings'))
     return futures
 
   def _prepare(self, arr: jax.Array, info, arg, ext_metadata) -> '_Prepared':
     rslices = compat.orbax.get_replica_slices(
-        arr, self._replica_id, self._use_replica_parallel,
-        self._min_slice_bytes_for_replica_parallel,
-        self._max_replicas_for_replica_parallel)
+        arr, self._options.replica_id, self._options.use_replica_parallel,
+        self._options.min_slice_bytes_for_replica_parallel,
+        self._options.max_replicas_for_replica_parallel)
     itemsize = np.dtype(arr.dtype).itemsize
     local_shape = tuple(rslices.local_shape)
     chunk = slicing.chunk_shape(local_shape, itemsize, self.save_context.slice_bytes,
@@ -216,7 +216,7 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
         info=info, arg=arg, global_shape=arr.shape, local_shape=local_shape,
         dtype=arr.dtype, use_ocdbt=info.is_ocdbt_checkpoint,
         process_index=ocdbt_subdir(info.is_ocdbt_checkpoint),
-        metadata_key=self._metadata_key, ext_metadata=ext_metadata)
+        metadata_key=self._options.metadata_key, ext_metadata=ext_metadata)
     limiter = info.byte_limiter
     if limiter is not None and compat.is_unlimited(limiter):
       limiter = None
@@ -226,7 +226,7 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
 
   async def open_store(self, tspec: dict[str, Any], context: ts.Context) -> ts.TensorStore:
     """Creates the stored array (primary host) and opens it for writing."""
-    if self._primary_host is None or jax.process_index() == self._primary_host:
+    if self._options.primary_host is None or jax.process_index() == self._options.primary_host:
       await ts.open(ts.Spec(tspec), create=True, open=True, context=context)
     return await ts.open(ts.Spec(tspec), open=True, assume_metadata=True, context=context)
 

@@ -92,3 +92,41 @@ def test_import_and_save_without_kauldron(tmp_path):
   proc = subprocess.run([sys.executable, '-c', script, str(tmp_path / 'c')],
                         capture_output=True, text=True, env=env, timeout=300)
   assert proc.returncode == 0 and 'OK without kauldron' in proc.stdout, proc.stderr[-3000:]
+
+
+def test_array_handler_options_read_every_option_of_the_installed_orbax():
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import compat as compat_lib  # pylint: disable=g-import-not-at-top
+  h = ocp.type_handlers.ArrayHandler(primary_host=0, replica_id=0, use_replica_parallel=False)
+  o = compat_lib.array_handler_options(h)
+  assert o.primary_host == 0 and o.replica_id == 0 and o.use_replica_parallel is False
+  assert set(vars(o)) == set(compat_lib._ARRAY_HANDLER_ATTRS)  # pylint: disable=protected-access
+  with pytest.raises(compat_lib.IncompatibleVersionError, match='_replica_id'):
+    compat_lib.array_handler_options(object())
+
+
+def test_private_names_of_orbax_and_jax_are_used_in_compat_only():
+  """Attribute access, not only imports (issue 19): `x._name` on anything but self/cls."""
+  import ast  # pylint: disable=g-import-not-at-top
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import kd_ckpt  # pylint: disable=g-import-not-at-top
+  pkg = pathlib.Path(kd_ckpt.__file__).parent
+  # kd_ckpt's own private names (module helpers, its own classes' state).
+  own = {'_options', '_kd', '_ckpt_mgr', '_handler', '_bounds', '_read', '_strip_protocol',
+         '_started', '_ARRAY_HANDLER_ATTRS'}
+  found = []
+  for path in sorted(pkg.rglob('*.py')):
+    if path.name == 'compat.py':
+      continue
+    for node in ast.walk(ast.parse(path.read_text())):
+      if (isinstance(node, ast.Attribute) and node.attr.startswith('_')
+          and not node.attr.startswith('__') and node.attr not in own):
+        base = node.value
+        if isinstance(base, ast.Name) and base.id in ('self', 'cls'):
+          continue
+        if isinstance(base, ast.Name) and base.id.endswith('_lib'):
+          continue  # kd_ckpt's own modules
+        if isinstance(base, ast.Call) and getattr(base.func, 'id', '') == 'super':
+          continue
+        found.append(f'{path.relative_to(pkg)}:{node.lineno}: .{node.attr}')
+  assert not found, found
