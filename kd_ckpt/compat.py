@@ -314,6 +314,16 @@ def array_handler_options(handler: Any) -> types.SimpleNamespace:
   return types.SimpleNamespace(**out)
 
 
+def handler_option(handler: Any, name: str) -> Any:
+  """One option of an Orbax type handler (e.g. 'metadata_key' of a NumpyHandler too)."""
+  attr = _ARRAY_HANDLER_ATTRS[name]
+  if not hasattr(handler, attr):
+    raise IncompatibleVersionError(_message(
+        'orbax-checkpoint', type(handler).__module__, f'{type(handler).__name__}.{attr}', (),
+        'the handler no longer keeps this option there'))
+  return getattr(handler, attr)
+
+
 def single_device_arrays(arr: Any) -> list[Any]:
   """A jax.Array's per-device arrays (JAX's `_arrays`; [] where it has none)."""
   return list(getattr(arr, '_arrays', None) or [])

@@ -551,7 +551,7 @@ async def _check_files(infos, handler) -> None:
   for info in infos:
     if not info.is_ocdbt_checkpoint:
       await compat.orbax.assert_parameter_files_exist(
-          info.parent_dir / info.name, compat.array_handler_options(handler).metadata_key, info.use_zarr3)
+          info.parent_dir / info.name, compat.handler_option(handler, 'metadata_key'), info.use_zarr3)
 
 
 def _orbax_reservation(byte_limiter, loop):
@@ -637,7 +637,7 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
     leaves = []
     for info, arg, sharding in zip(infos, args, shardings):
       shape, dtype, sharding = compat.orbax.physical_read_spec(arg, sharding)
-      t, kv = _open(info, ctx, compat.array_handler_options(handler).metadata_key)
+      t, kv = _open(info, ctx, compat.handler_option(handler, 'metadata_key'))
       stored = np.dtype(t.dtype.numpy_dtype)
       if dtype is None or jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
         dtype = stored
@@ -684,7 +684,7 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
           out[i] = arr
       filled = await asyncio.to_thread(fill_all, leaves) if rest else []
       del leaves
-  store = compat.array_handler_options(handler).array_metadata_store
+  store = compat.handler_option(handler, 'array_metadata_store')
   if store is not None and rest:
     metadatas = await store.read(checkpoint_dir=parent)
     if metadatas:
@@ -704,7 +704,7 @@ async def read_numpy(handler, infos, args, ctx: ReadContext) -> list[np.ndarray]
   def read_all():
     out = []
     for info, arg in zip(infos, args):
-      t, kv = _open(info, ctx, compat.array_handler_options(handler).metadata_key)
+      t, kv = _open(info, ctx, compat.handler_option(handler, 'metadata_key'))
       with Source(info.name, t, kv, ctx) as src:
         dtype = np.dtype(arg.dtype) if getattr(arg, 'dtype', None) is not None else src.dtype
         result = np.empty(src.shape, dtype)  # the restored value itself

@@ -103,6 +103,11 @@ def test_array_handler_options_read_every_option_of_the_installed_orbax():
   assert set(vars(o)) == set(compat_lib._ARRAY_HANDLER_ATTRS)  # pylint: disable=protected-access
   with pytest.raises(compat_lib.IncompatibleVersionError, match='_replica_id'):
     compat_lib.array_handler_options(object())
+  # A NumpyHandler keeps only some of them: those read one at a time.
+  n = ocp.type_handlers.NumpyHandler()
+  assert compat_lib.handler_option(n, 'metadata_key') == n._metadata_key  # pylint: disable=protected-access
+  with pytest.raises(compat_lib.IncompatibleVersionError, match='NumpyHandler._replica_id'):
+    compat_lib.handler_option(n, 'replica_id')
 
 
 def test_private_names_of_orbax_and_jax_are_used_in_compat_only():

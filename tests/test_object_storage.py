@@ -132,6 +132,33 @@ def test_save_restore_verify_inspect_on_gcs(server, bucket, strategy):
                        capture_output=True, text=True, env=os.environ, timeout=120)
   assert out.returncode == 0, out.stderr[-2000:]
   assert 'saved by    kd_ckpt' in out.stdout and '0 B on disk' not in out.stdout
+  out = subprocess.run([sys.executable, '-m', 'kd_ckpt', 'verify', path],
+                       capture_output=True, text=True, env=os.environ, timeout=120)
+  assert out.returncode == 0 and 'all OK' in out.stdout, out.stderr[-2000:]
+
+
+ONE_DEVICE = '''
+import sys
+import jax, numpy as np, orbax.checkpoint as ocp
+import kd_ckpt
+assert jax.device_count() == 1
+tree = {'w': jax.numpy.arange(1 << 20, dtype=jax.numpy.float32).reshape(1024, 1024),
+        'h': np.arange(5), 's': 2.0}
+for strategy in ('streaming', 'orbax', 'auto'):
+  path = f'{sys.argv[1]}/{strategy}'
+  kd_ckpt.save(path, tree, strategy=strategy, host_ram_budget=128 << 20)
+  for back in (kd_ckpt.restore(path), ocp.StandardCheckpointer().restore(path)):
+    assert np.asarray(back['w']).tobytes() == np.asarray(tree['w']).tobytes()
+  assert kd_ckpt.verify(path).ok
+print('OK')
+'''
+
+
+def test_one_device_process_on_gcs(server, bucket):
+  env = {**_worker_env(), 'XLA_FLAGS': '--xla_force_host_platform_device_count=1'}
+  out = subprocess.run([sys.executable, '-c', ONE_DEVICE, bucket], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0 and 'OK' in out.stdout, out.stderr[-3000:]
 
 
 def test_stock_checkpoint_restored_from_gcs(server, bucket):
@@ -390,6 +417,71 @@ def test_kill9_of_the_saving_process_leaves_no_checkpoint(server, bucket):
   item, _ = kd_ckpt.find_checkpoint(bucket)
   assert os.fspath(item) == f'{bucket}/1'
   np.testing.assert_array_equal(kd_ckpt.restore(item)['w'], np.arange(1000.0))
+
+
+KILL_CKPT_WORKER = '''
+import sys
+import flax, jax
+from kauldron import kd
+import kd_ckpt
+from tests import states
+P, NS = jax.sharding.PartitionSpec, jax.sharding.NamedSharding
+
+@flax.struct.dataclass
+class State(kd.ckpts.items.StandardCheckpointItem):
+  params: dict
+
+m1, _ = states.meshes()
+ckpt = kd_ckpt.SafeCheckpointer(workdir=sys.argv[1], save_interval_steps=1,
+                                host_ram_budget=48 << 20, strategy='streaming')
+ckpt.save(State(params={'w': states.filled((1024, 1024), NS(m1, P('x')))}), step=1)
+ckpt.wait_until_finished()
+print('SAVING', flush=True)
+ckpt.save(State(params={'w': states.filled((24576, 1024), NS(m1, P('x')), seed=3)}), step=2)
+ckpt.wait_until_finished()
+print('DONE', flush=True)
+'''
+
+
+@pytest.mark.slow
+def test_safe_checkpointer_resumes_from_the_last_complete_step_after_kill9(server, bucket):
+  import flax  # pylint: disable=g-import-not-at-top
+  from kauldron import kd  # pylint: disable=g-import-not-at-top
+
+  @flax.struct.dataclass
+  class State(kd.ckpts.items.StandardCheckpointItem):
+    params: dict
+
+  workdir = f'{bucket}/run'
+  proc = subprocess.Popen([sys.executable, '-c', KILL_CKPT_WORKER, workdir], cwd=REPO,
+                          env=_worker_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True)
+  try:
+    _wait_for_line(proc, 'SAVING', 180)
+    prefix = workdir.split(f'gs://{BUCKET}/', 1)[1] + '/checkpoints/ckpt_2'
+    deadline = time.monotonic() + 60
+    while server.object_bytes(BUCKET, prefix) < MiB and time.monotonic() < deadline:
+      time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  storage.forget_listings(workdir)
+  assert epath.Path(f'{workdir}/checkpoints/ckpt_2').exists()  # the kill left it
+  ckpt = kd_ckpt.SafeCheckpointer(workdir=workdir, save_interval_steps=1)
+  assert ckpt.latest_step == 1, ckpt.all_steps
+  m1, _ = states.meshes()
+  want = states.filled((1024, 1024), NS(m1, P('x')))
+  abstract = State(params={'w': jax.ShapeDtypeStruct(want.shape, want.dtype,
+                                                     sharding=want.sharding)})
+  back = ckpt.restore(abstract, donate=False)
+  assert np.asarray(back.params['w']).tobytes() == np.asarray(want).tobytes()
+  # The run goes on: step 2 is saved again over the leftover.
+  ckpt.save(State(params={'w': want + 1}), step=2)
+  ckpt.wait_until_finished()
+  assert ckpt.all_steps == [1, 2]
+  ckpt.close()
 
 
 # --- Kauldron on a bucket ---------------------------------------------------------------
