@@ -378,6 +378,23 @@ def test_server_killed_mid_save(server, bucket, tmp_path):
   assert out['earlier_intact'] and out['next_save_ok'], out
 
 
+def _kill_mid_save(server, script: str, arg: str, saving: str) -> None:
+  """Runs `script ARG`; SIGKILLs it once its save has put 1 MiB under `saving`."""
+  proc = subprocess.Popen([sys.executable, '-c', script, arg], cwd=REPO, env=_worker_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+  try:
+    _wait_for_line(proc, 'SAVING', 180)
+    prefix = saving.split(f'gs://{BUCKET}/', 1)[1]
+    deadline = time.monotonic() + 60
+    while server.object_bytes(BUCKET, prefix) < MiB and time.monotonic() < deadline:
+      time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+
+
 KILL_WORKER = '''
 import sys
 import jax, numpy as np
@@ -396,20 +413,7 @@ print('DONE', flush=True)
 
 @pytest.mark.slow
 def test_kill9_of_the_saving_process_leaves_no_checkpoint(server, bucket):
-  proc = subprocess.Popen([sys.executable, '-c', KILL_WORKER, bucket], cwd=REPO,
-                          env=_worker_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.DEVNULL, text=True)
-  try:
-    _wait_for_line(proc, 'SAVING', 180)
-    prefix = bucket.split(f'gs://{BUCKET}/', 1)[1] + '/2'
-    deadline = time.monotonic() + 60
-    while server.object_bytes(BUCKET, prefix) < MiB and time.monotonic() < deadline:
-      time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
+  _kill_mid_save(server, KILL_WORKER, bucket, f'{bucket}/2')
   partial = f'{bucket}/2'
   assert epath.Path(partial).exists()  # the kill left something behind
   with pytest.raises(ValueError, match='unfinished save'):
@@ -453,20 +457,7 @@ def test_safe_checkpointer_resumes_from_the_last_complete_step_after_kill9(serve
     params: dict
 
   workdir = f'{bucket}/run'
-  proc = subprocess.Popen([sys.executable, '-c', KILL_CKPT_WORKER, workdir], cwd=REPO,
-                          env=_worker_env(), stdout=subprocess.PIPE,
-                          stderr=subprocess.DEVNULL, text=True)
-  try:
-    _wait_for_line(proc, 'SAVING', 180)
-    prefix = workdir.split(f'gs://{BUCKET}/', 1)[1] + '/checkpoints/ckpt_2'
-    deadline = time.monotonic() + 60
-    while server.object_bytes(BUCKET, prefix) < MiB and time.monotonic() < deadline:
-      time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
+  _kill_mid_save(server, KILL_CKPT_WORKER, workdir, f'{workdir}/checkpoints/ckpt_2')
   storage.forget_listings(workdir)
   assert epath.Path(f'{workdir}/checkpoints/ckpt_2').exists()  # the kill left it
   ckpt = kd_ckpt.SafeCheckpointer(workdir=workdir, save_interval_steps=1)
