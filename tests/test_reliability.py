@@ -49,7 +49,10 @@ def _sharded(rows, seed=0):
 
 
 def _assert_same(a, b):
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+  """Same leaf count and values (a restore missing leaves fails)."""
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(la) == len(lb) > 0, (len(la), len(lb))
+  for x, y in zip(la, lb, strict=True):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
