@@ -157,7 +157,22 @@ def test_format_guard_orbax_chunking_matches_ours(tmp_path):
   """Fails loudly if Orbax's on-disk array spec stops matching what we patch."""
   tree = {'w': states.filled((256, 64), states.NS(states.meshes()[0], states.P('x')))}
   kd_ckpt.save(tmp_path / 'c', tree, host_ram_budget=64 * MiB, strategy='streaming')
+  with ocp.StandardCheckpointer() as c:
+    c.save(tmp_path / 'stock', tree)
+    c.wait_until_finished()
   import tensorstore as ts
+
+  def stored_spec(d):
+    kv = ts.KvStore.open({'driver': 'ocdbt', 'base': f'file://{d}/'}).result()
+    return json.loads(kv.read(b'w/.zarray').result().value)
+
+  ours, stock = stored_spec(tmp_path / 'c'), stored_spec(tmp_path / 'stock')
+  # Everything Orbax writes into the array's spec, but the chunk grid (and
+  # the compressor: kd_ckpt's chunks are raw), is Orbax's own.
+  for k in set(ours) | set(stock):
+    if k not in ('chunks', 'compressor'):
+      assert ours.get(k) == stock.get(k), (k, ours.get(k), stock.get(k))
+  assert ours['compressor'] is None and stock['compressor'] is not None
   t = ts.open({'driver': 'zarr', 'kvstore': {
       'driver': 'ocdbt', 'base': f'file://{tmp_path / "c"}/', 'path': 'w/'}},
               open=True).result()
