@@ -59,13 +59,23 @@ def start_compiler() -> int:
   with _lock:
     if _started:
       return 0
-    hwm_before = hostmem.peak_rss_bytes()
-    before = hostmem.current_rss_bytes()
-    with jax.transfer_guard('allow'):  # Kauldron's train loop disallows transfers.
-      jax.block_until_ready(jax.jit(_programs)(np.ones((4, 8), np.float16), np.int32(1)))
-    after = hostmem.current_rss_bytes()
-    hwm_after = hostmem.peak_rss_bytes()
+
+    def compile_once():
+      with jax.transfer_guard('allow'):  # Kauldron's train loop disallows transfers.
+        jax.block_until_ready(jax.jit(_programs)(np.ones((4, 8), np.float16), np.int32(1)))
+
+    cost = _rss_cost(compile_once)
     _started = True
+  return cost
+
+
+def _rss_cost(fn) -> int:
+  """The RSS `fn()` adds, its transient peak included."""
+  hwm_before = hostmem.peak_rss_bytes()
+  before = hostmem.current_rss_bytes()
+  fn()
+  after = hostmem.current_rss_bytes()
+  hwm_after = hostmem.peak_rss_bytes()
   # A transient above the final RSS shows in the high-water mark, if it moved.
   peak = hwm_after if hwm_after > hwm_before else after
   return max(0, peak - before)
@@ -89,17 +99,16 @@ def start_storage(directory) -> int:
   with _lock:
     if scheme in _storage_started:
       return 0
-    hwm_before = hostmem.peak_rss_bytes()
-    before = hostmem.current_rss_bytes()
-    try:
-      storage.warm_up(directory)
-    except Exception:  # pylint: disable=broad-exception-caught
-      pass
-    after = hostmem.current_rss_bytes()
-    hwm_after = hostmem.peak_rss_bytes()
+
+    def warm_up():
+      try:
+        storage.warm_up(directory)
+      except Exception:  # pylint: disable=broad-exception-caught
+        pass
+
+    cost = _rss_cost(warm_up)
     _storage_started.add(scheme)
-  peak = hwm_after if hwm_after > hwm_before else after
-  return max(0, peak - before)
+  return cost
 
 
 def compiles(tree) -> bool:
