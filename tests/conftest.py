@@ -11,3 +11,27 @@ os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 # but Google's servers.  Decide before anything touches a gs:// path.
 os.environ.setdefault('EPATH_USE_TF', 'false')
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import shutil
+import tempfile
+
+# Checkpoints written by one test module take up to ~2 GB on disk at a time.
+# A disk that fills mid-run fails tests with TensorStore's RESOURCE_EXHAUSTED
+# far from the cause; say so up front instead.
+_MIN_FREE_DISK_BYTES = 6 << 30
+
+
+def pytest_sessionstart(session):
+  del session
+  tmp = tempfile.gettempdir()
+  free = shutil.disk_usage(tmp).free
+  if free < _MIN_FREE_DISK_BYTES:
+    import pytest  # pylint: disable=g-import-not-at-top
+
+    pytest.exit(
+        f'only {free / 2**30:.1f} GiB free in {tmp}; the tests need'
+        f' {_MIN_FREE_DISK_BYTES / 2**30:.0f} GiB. Free space there (old'
+        ' pytest-of-* directories under it are safe to delete) or point'
+        ' TMPDIR elsewhere.',
+        returncode=3,
+    )
