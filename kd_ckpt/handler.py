@@ -159,7 +159,8 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     # Plain StandardSave args (e.g. Orbax's own code) bring no plan: plan here.
     plan = getattr(args, 'plan', None) or plan_lib.plan_save(
         item, host_ram_budget=self._budget, strategy=self._strategy,
-        startup_bytes=startup.start_compiler() if startup.compiles(item) else 0)
+        startup_bytes=startup.start_compiler() if startup.compiles(item) else 0,
+        save_id=directory)
     ctx = getattr(args, 'context', None) or context_for(plan)
     if plan.strategy == 'streaming':
       array_handler = streaming.StreamingArrayHandler(

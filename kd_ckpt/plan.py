@@ -390,12 +390,14 @@ def agreed_budget(spec: budget_lib.BudgetSpec, mem: hostmem.HostMemory | None,
   budget_bytes = budget_lib.resolve(spec, mem)
   if process_count == 1:
     return budget_bytes
-  known = mem.local_process_count
   everyone = exchange.agree([budget_bytes], what='the save budget')
-  if spec.fraction is not None and hostmem.local_process_count() != known:
-    # First save: now we know how many processes share this host.
+  if spec.fraction is not None:
+    # A fraction of the host's RAM is split between the processes that share
+    # the host, which the first exchange has just counted.  Every process
+    # makes this second round (even where the count did not change), so the
+    # rounds stay matched.
     budget_bytes = budget_lib.resolve(spec, hostmem.probe())
-    everyone = exchange.agree([budget_bytes], what='the save budget')
+    everyone = exchange.agree([budget_bytes], what='the save budget, per host')
   return int(everyone.min())
 
 
@@ -407,6 +409,7 @@ def plan_save(
     memory: hostmem.HostMemory | None = None,
     platform: str | None = None,
     startup_bytes: int = 0,
+    save_id=None,
 ) -> SavePlan:
   """Plans a save of `tree` within `host_ram_budget`, copying nothing.
 
@@ -426,6 +429,8 @@ def plan_save(
       plan shares what is left of the budget.  A preflight leaves it 0; the
       first save of a process that never ran a jit pays XLA's compiler
       start-up (~50 MiB) on top.
+    save_id: the destination of the save this plans (saves pass it), which
+      names its exchanges in a multi-process job.  None: a preflight.
 
   Returns:
     A `SavePlan`; `print(plan)` shows the table.
@@ -441,11 +446,12 @@ def plan_save(
   check_strategy(strategy)
   spec = budget_lib.parse(host_ram_budget)
   est = estimate_lib.estimate_tree(tree, platform=platform)
-  budget_bytes = agreed_budget(spec, memory, est.process_count)
-  if est.process_count > 1:
-    # Slices (the zarr chunks every process writes into) must be the same
-    # everywhere: every process plans with the largest start-up.
-    startup_bytes = int(exchange.agree([startup_bytes], what='the start-up').max())
-  return plan_from_estimate(est, budget_bytes=budget_bytes, budget_text=spec.text,
-                            startup_bytes=startup_bytes,
-                            strategy=strategy)
+  with exchange.save_round(save_id):
+    budget_bytes = agreed_budget(spec, memory, est.process_count)
+    if est.process_count > 1:
+      # Slices (the zarr chunks every process writes into) must be the same
+      # everywhere: every process plans with the largest start-up.
+      startup_bytes = int(exchange.agree([startup_bytes], what='the start-up').max())
+    return plan_from_estimate(est, budget_bytes=budget_bytes, budget_text=spec.text,
+                              startup_bytes=startup_bytes,
+                              strategy=strategy)

@@ -87,7 +87,7 @@ class MeasuredSave:
     self.plan = plan_lib.plan_save(
         tree, host_ram_budget=host_ram_budget, strategy=strategy,
         startup_bytes=(startup.start_compiler() if startup.compiles(tree) else 0)
-        + startup.start_storage(directory))
+        + startup.start_storage(directory), save_id=self.directory)
     self.stats = arrays_lib.SaveStats()
     self._contexts = {}
     # Reuse (or `fingerprint`): every leaf's fingerprint is recorded, so the

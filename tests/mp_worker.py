@@ -315,7 +315,48 @@ def _save_api(argv) -> dict:
   return {'process_index': pid, 'report': report.to_json_dict()}
 
 
+def _preflight_one(argv) -> dict:
+  """A `plan_save` preflight on process 1 only, then saves on both.
+
+  The preflight waits for process 0, which never comes: it must time out
+  with a clear error, and must not shift the exchanges of the saves after it.
+  """
+  path, pid, nproc, port = argv
+  pid, nproc = int(pid), int(nproc)
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.distributed.initialize(
+      coordinator_address=f'127.0.0.1:{port}', num_processes=nproc, process_id=pid,
+      initialization_timeout=120)
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  import kd_ckpt  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import exchange  # pylint: disable=g-import-not-at-top
+  state = build_state()
+  out = {'process_index': pid}
+  if pid == 1:
+    exchange.TIMEOUT_SECS = 5  # how long the preflight waits for process 0
+    try:
+      kd_ckpt.plan_save(state, host_ram_budget=96 * MiB)
+    except exchange.ExchangeTimeoutError as e:
+      out['preflight_error'] = str(e)
+    else:
+      raise AssertionError('a preflight on one process only did not time out')
+  multihost_utils.sync_global_devices('kd_ckpt_mp_preflight_done')
+  exchange.TIMEOUT_SECS = 60
+  abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+  for i, budget in enumerate([96 * MiB, 'auto']):
+    target = f'{path}/{i}'
+    report = kd_ckpt.save(target, state, host_ram_budget=budget)
+    multihost_utils.sync_global_devices(f'kd_ckpt_mp_preflight_saved_{i}')
+    check_shards(kd_ckpt.restore(target, abstract, host_ram_budget=96 * MiB),
+                 'kd_ckpt.restore')
+    out[f'budget_{i}'] = report.budget_bytes
+  multihost_utils.sync_global_devices('kd_ckpt_mp_preflight_restored')
+  return out
+
+
 if __name__ == '__main__':
   mode, rest = sys.argv[1], sys.argv[2:]
-  result = {'save': _save, 'restore': _restore, 'save_api': _save_api}[mode](rest)
+  result = {'save': _save, 'restore': _restore, 'save_api': _save_api,
+            'preflight_one': _preflight_one}[mode](rest)
   print(json.dumps(result))

@@ -234,3 +234,25 @@ def test_processes_agree_on_the_plan(monkeypatch):
   assert plans[0].strategy == plans[1].strategy == 'orbax'
   for c0, c1 in zip(plans[0].candidates, plans[1].candidates):
     assert (c0.fits, c0.orbax, c0.worst_peak_bytes) == (c1.fits, c1.orbax, c1.worst_peak_bytes)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_preflight_on_one_process_does_not_shift_later_saves(tmp_path):
+  """Exchanges are named by the save, not counted: an extra one changes nothing.
+
+  Process 1 alone calls `plan_save` (a preflight); it must time out naming
+  the exchange.  Both processes then save twice (a fixed budget, then
+  'auto', which takes a second, per-host round) and restore bit-exact.
+  """
+  port = _free_port()
+  results = _run(
+      [['preflight_one', str(tmp_path / 'ckpt'), str(i), str(NUM_PROCESSES), str(port)]
+       for i in range(NUM_PROCESSES)],
+      devices=4, log_dir=tmp_path / 'logs')
+  err = results[1]['preflight_error']
+  assert 'process 0 did not reach exchange preflight-0' in err, err
+  assert 'on all of them or none' in err, err
+  # Both processes planned with the same budgets.
+  assert results[0]['budget_0'] == results[1]['budget_0'] == 96 * MiB
+  assert results[0]['budget_1'] == results[1]['budget_1']
