@@ -22,6 +22,8 @@ import dataclasses
 import functools
 import os
 import pathlib
+import threading
+import weakref
 
 try:
   import psutil  # pylint: disable=g-import-not-at-top
@@ -301,6 +303,11 @@ class PeakRss:
   sampling thread would miss.  Where the reset is not allowed it falls back to
   the lifetime peak, and `exact` says so.
 
+  The high-water mark is one per process, so measurements may overlap
+  (nested, or in other threads): before any of them resets it, the mark so
+  far is folded into every measurement still open, and none under-reports
+  the others.
+
   Example:
 
     with PeakRss() as peak:
@@ -315,13 +322,17 @@ class PeakRss:
     self.exact = False
 
   def __enter__(self) -> 'PeakRss':
-    self.exact = reset_peak_rss()
-    self.before_bytes = current_rss_bytes()
+    with _open_lock:
+      self.exact = reset_peak_rss()
+      self.before_bytes = current_rss_bytes()
+      _open.add(self)
     return self
 
   def __exit__(self, *exc) -> None:
-    self.after_bytes = current_rss_bytes()
-    self.sample()
+    with _open_lock:
+      _open.discard(self)
+      self.after_bytes = current_rss_bytes()
+      self.sample()
 
   def sample(self) -> int:
     """Folds the high-water mark so far into `peak_bytes` (any thread)."""
@@ -340,8 +351,25 @@ class PeakRss:
     return self.after_bytes - self.before_bytes
 
 
+# The PeakRss blocks now open in this process (any thread), and the lock that
+# orders their resets.
+_open: 'weakref.WeakSet[PeakRss]' = weakref.WeakSet()
+_open_lock = threading.RLock()
+
+
 def reset_peak_rss() -> bool:
-  """Resets VmHWM to the current RSS; False where the kernel refuses."""
+  """Resets VmHWM to the current RSS; False where the kernel refuses.
+
+  The mark so far is first folded into every open `PeakRss`, which would
+  otherwise lose the peaks before the reset.
+  """
+  with _open_lock:
+    for m in list(_open):
+      m.sample()
+    return _clear_refs()
+
+
+def _clear_refs() -> bool:
   try:
     with open('/proc/self/clear_refs', 'w') as f:
       f.write('5')

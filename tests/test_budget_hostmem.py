@@ -1,5 +1,7 @@
 """Budget parsing and the host-memory probe (cgroup files faked)."""
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -105,6 +107,26 @@ def test_peak_rss_sees_an_allocation():
   assert peak.exact
   assert peak.extra_bytes >= 190 << 20
   assert peak.retained_bytes < 100 << 20
+
+
+def test_overlapping_measurements_do_not_hide_each_others_peaks():
+  """VmHWM is one per process: a measurement that starts must not erase the
+  peak an open one has seen (a report inside a user's own measurement, or
+  two saves measured in two threads)."""
+  hostmem.release_free_memory()
+  with hostmem.PeakRss() as outer:
+    a = np.ones(160 << 20, dtype=np.uint8)
+    del a  # freed: RSS is back down, only the high-water mark remembers
+    with hostmem.PeakRss() as inner:
+      b = np.ones(40 << 20, dtype=np.uint8)
+      del b
+    # In another thread, as a concurrent save's measurement would.
+    t = threading.Thread(target=lambda: hostmem.PeakRss().__enter__().__exit__())
+    t.start()
+    t.join()
+  assert outer.extra_bytes >= 150 << 20, outer.extra_bytes
+  # The inner one measures from its own start: the earlier peak is not its.
+  assert 35 << 20 <= inner.extra_bytes < 100 << 20, inner.extra_bytes
 
 
 def test_format_bytes():
