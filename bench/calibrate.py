@@ -37,7 +37,7 @@ def _programs(kind: str, count: int) -> dict:
   from kd_ckpt import hostmem, reading, startup  # pylint: disable=g-import-not-at-top
 
   startup.start_compiler()
-  hostmem.use_mmap_for_large_buffers()
+  hostmem.mmap_large_buffers().__enter__()  # as inside a kd_ckpt operation, throughout
   mesh = jax.sharding.Mesh(np.array(jax.devices()), ('x',))
 
   def rss():

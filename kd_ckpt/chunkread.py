@@ -248,7 +248,11 @@ class StoredArray:
       box: one slice (step 1) per dimension, in global coordinates.
       max_piece_bytes: the bound on each piece.
     """
-    hostmem.use_mmap_for_large_buffers()  # freed buffers leave RSS at once
+    with hostmem.mmap_large_buffers():  # freed buffers leave RSS at once
+      yield from self._pieces(box, max_piece_bytes)
+
+  def _pieces(self, box: Box, max_piece_bytes: int
+              ) -> Iterator[tuple[Box, np.ndarray]]:
     lo, hi = self._bounds(box)
     limit = max(int(max_piece_bytes), self.dtype.itemsize)
     grid = [range(a // c, (b - 1) // c + 1) if b > a else range(0)

@@ -264,7 +264,6 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     read = arrays_lib.read_context_for(capacity, num_leaves)
     impl = self._pytree_handler(arrays_lib.KdArrayHandler(read=read),
                                 arrays_lib.KdNumpyHandler(read=read))
-    hostmem.use_mmap_for_large_buffers()
     restore_args = compat.orbax.construct_restore_args(
         args.item, functools.partial(impl.metadata, directory), args.fallback_sharding,
         args.support_layout)

@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import dataclasses
@@ -24,6 +25,7 @@ import os
 import pathlib
 import threading
 import weakref
+from typing import Iterator
 
 try:
   import psutil  # pylint: disable=g-import-not-at-top
@@ -400,18 +402,61 @@ def release_free_memory() -> bool:
 
 
 _M_MMAP_THRESHOLD = -3  # mallopt() parameter numbers, from glibc's malloc.h.
+# While kd_ckpt holds host buffers: slices and encode buffers are 1-64 MiB.
+_OPERATION_MMAP_THRESHOLD_BYTES = 1 << 20
+# After: the ceiling of glibc's own dynamic threshold (DEFAULT_MMAP_THRESHOLD_MAX
+# on 64-bit), where a process that has freed any large buffer ends up anyway.
+_RESTING_MMAP_THRESHOLD_BYTES = 32 << 20
+_mmap_scopes = 0
+_mmap_lock = threading.Lock()
 
 
-@functools.cache
-def use_mmap_for_large_buffers(threshold_bytes: int = 1 << 20) -> bool:
-  """Makes glibc serve allocations >= `threshold_bytes` with mmap.
+def _user_tuned_malloc() -> bool:
+  """Whether the user set glibc's mmap threshold themselves (then it is theirs)."""
+  return ('MALLOC_MMAP_THRESHOLD_' in os.environ
+          or 'mmap_threshold' in os.environ.get('GLIBC_TUNABLES', ''))
 
-  glibc raises its mmap threshold dynamically up to 32 MiB, after which freed
-  slice buffers and TensorStore's encode buffers stay in the heap and RSS
-  does not come down between slices.  A fixed threshold means big buffers go
-  back to the OS the moment they are freed.  Done once per process.
-  """
+
+def _set_mmap_threshold(nbytes: int) -> bool:
   libc = _libc()
   if libc is None or not hasattr(libc, 'mallopt'):
     return False
-  return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(threshold_bytes)))
+  return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(nbytes)))
+
+
+@contextlib.contextmanager
+def mmap_large_buffers() -> Iterator[None]:
+  """While open (any thread, nested): glibc serves allocations >= 1 MiB with mmap.
+
+  glibc raises its mmap threshold dynamically up to 32 MiB, after which freed
+  slice buffers and TensorStore's encode buffers stay in the heap and RSS
+  does not come down between slices.  With a fixed 1 MiB threshold big
+  buffers go back to the OS the moment they are freed.
+
+  The setting is process-wide, so it lasts only while a kd_ckpt operation
+  holds buffers (`HostLimiter.lease` opens this).  glibc cannot go back to
+  its dynamic threshold once one is set, so the last scope to close leaves it
+  at that threshold's ceiling (32 MiB), where the process's own large
+  allocations behave as glibc would have them.  A threshold the user set
+  (`MALLOC_MMAP_THRESHOLD_`, `GLIBC_TUNABLES`) is never touched.
+
+  Example:
+
+    with hostmem.mmap_large_buffers():
+      write_slices()
+  """
+  global _mmap_scopes
+  if _user_tuned_malloc():
+    yield
+    return
+  with _mmap_lock:
+    _mmap_scopes += 1
+    if _mmap_scopes == 1:
+      _set_mmap_threshold(_OPERATION_MMAP_THRESHOLD_BYTES)
+  try:
+    yield
+  finally:
+    with _mmap_lock:
+      _mmap_scopes -= 1
+      if _mmap_scopes == 0:
+        _set_mmap_threshold(_RESTING_MMAP_THRESHOLD_BYTES)

@@ -93,7 +93,9 @@ class HostLimiter:
       if len(self._leases) == 1:
         self._peak, self._waits = self._in_use, 0
     try:
-      yield self
+      # Buffers this limiter admits go back to the OS when freed.
+      with hostmem.mmap_large_buffers():
+        yield self
     finally:
       with self._lock:
         self._leases.remove(int(capacity_bytes))

@@ -303,6 +303,9 @@ async def split(handler, arrays, infos, ctx) -> tuple[list[int], Any]:
   if changed_layout:
     _log_once(f'kd_ckpt {source.label}: {changed_layout} leaves changed shape, dtype or'
               ' sharding since the previous checkpoint: written in full.')
+  # The save checked no free space for its arrays (which would be reused was
+  # not known): check it for what is written, before writing it.
+  storage.check_free_space(infos[0].parent_dir, sum(records[i].nbytes for i in write))
   if not reused:
     return write, None
   names = [infos[i].name for i in reused]
@@ -317,6 +320,7 @@ async def split(handler, arrays, infos, ctx) -> tuple[list[int], Any]:
     _log_once(f'kd_ckpt {source.label}: writing every leaf, no reuse: cannot {how}'
               f' {source.directory} into {db_dir} ({e.strerror or e}; another'
               ' filesystem or bucket?).')
+    storage.check_free_space(db_dir, sum(r.nbytes for r in records))
     return list(range(len(arrays))), None
   primary_host = compat.array_handler_options(handler).primary_host
   primary = primary_host is None or jax.process_index() == primary_host

@@ -93,10 +93,12 @@ class MeasuredSave:
     # Reuse (or `fingerprint`): every leaf's fingerprint is recorded, so the
     # next save can reuse what this one wrote.
     fingerprint = fingerprint or reuse_from is not None
+    self._reusing = False
     for name in self.items:
       source = None
       if reuse_from is not None:
         source = reuse_lib.Source.open(reuse_from.get(name), label=self.label)
+        self._reusing = self._reusing or source is not None
       self._contexts[name] = handler_lib.context_for(
           self.plan, checksums=integrity.collector(), stats=self.stats, reuse=source,
           fingerprints=reuse_lib.Fingerprints() if fingerprint else None,
@@ -116,9 +118,12 @@ class MeasuredSave:
     """Before anything is written: a writable place, room for raw chunks, no leftovers."""
     storage.check_writable(self.directory)
     # Chunks are raw (uncompressed): the bytes to write are known exactly.
-    # Reused leaves are written too when the previous checkpoint turns out
-    # unusable, so they count.  (A bucket has no free space to check.)
-    storage.check_free_space(self.directory, self.plan.total_bytes)
+    # (A bucket has no free space to check.)  When reusing, which leaves
+    # changed is known only once they are fingerprinted: the writer checks
+    # then, for what it will write (`reuse.split`), and a LoRA save that
+    # writes MBs does not ask for the frozen GBs here.
+    storage.check_free_space(
+        self.directory, self._host_leaf_bytes() if self._reusing else self.plan.total_bytes)
     if jax.process_index() == 0:
       # A save of this same directory that was killed: never a checkpoint.
       for stale in storage.remove_unfinished(self.directory):
@@ -161,8 +166,20 @@ class MeasuredSave:
         self._peak.sample()
 
   def fail(self, e: BaseException) -> None:
-    """Removes the unfinished save; a full disk becomes `DiskFullError`."""
-    if jax.process_index() == 0:
+    """Removes the unfinished save; a full disk becomes `DiskFullError`.
+
+    Only in a single-process job: with several, the others may still be
+    writing into the same directory when this one fails, and a removal under
+    them would let their writes re-create parts of it.  The leftover is never
+    taken as a checkpoint (Orbax's temporary name; no commit file on a
+    bucket), and the next save of this directory removes it before writing.
+    """
+    if jax.process_count() > 1:
+      logging.warning(
+          'kd_ckpt: the save of %s failed on process %d; its unfinished directory'
+          ' is left for the next save of it to remove (other processes may still'
+          ' be writing there).', self.label, jax.process_index())
+    elif jax.process_index() == 0:
       try:
         storage.remove_unfinished(self.directory)
       except Exception as cleanup:  # pylint: disable=broad-exception-caught
@@ -171,7 +188,7 @@ class MeasuredSave:
         # this directory is saved again, and is never taken as a checkpoint.
         logging.warning('kd_ckpt: could not remove the unfinished save %s: %s',
                         self.label, cleanup)
-    if storage.is_disk_full(e):
+    if storage.is_disk_full(e) and not getattr(e, 'checked_before_writing', False):
       raise storage.DiskFullError.during_save(self.directory, self.plan.total_bytes) from e
 
   # --- after ------------------------------------------------------------------

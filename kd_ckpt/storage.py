@@ -67,6 +67,10 @@ class UnsupportedStorageError(ValueError):
 class DiskFullError(OSError):
   """The checkpoint's filesystem ran out of space (errno ENOSPC)."""
 
+  # True when raised by the free-space check, before the bytes were written:
+  # its message is final (a failure while writing gets the save's totals).
+  checked_before_writing = False
+
   @classmethod
   def during_save(cls, directory, needed_bytes: int | None) -> 'DiskFullError':
     free = free_bytes(directory)
@@ -213,12 +217,14 @@ def check_free_space(directory, needed_bytes: int) -> None:
   """Raises DiskFullError before writing when `needed_bytes` cannot fit (local disks)."""
   free = free_bytes(directory)
   if free is not None and needed_bytes > free:
-    raise DiskFullError(errno.ENOSPC, (
+    e = DiskFullError(errno.ENOSPC, (
         f'Not enough disk space for {os.fspath(directory)!r}: the save needs'
         f' about {text.format_bytes(needed_bytes)} and'
         f' {text.format_bytes(free)} is free on'
         f' {os.fspath(nearest_existing(directory))!r}. Nothing was written.'
         ' Free space (e.g. a lower max_to_keep) or save elsewhere.'))
+    e.checked_before_writing = True
+    raise e
 
 
 def is_disk_full(exc: BaseException) -> bool:

@@ -147,9 +147,6 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
           ' (StreamingArrayHandler(store_zero_size=True)); or drop the leaf.')
     ctx = self.save_context
     self.note_written()
-    # Slice and encode buffers must go back to the OS when freed, or glibc's
-    # per-thread arenas keep them and RSS climbs leaf after leaf.
-    hostmem.use_mmap_for_large_buffers()
     arrays, ext = self.stored_values(values, infos)
     prepared = [self._prepare(a, i, g, ext.get(i.name)) for a, i, g in zip(arrays, infos, args)]
     # The arrays are written *now*, before this coroutine returns: the caller

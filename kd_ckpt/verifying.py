@@ -216,7 +216,6 @@ def verify(
       ' stock Orbax or without checksums' if no_sums else 'no checksum recorded')
   budget_bytes = budget_lib.resolve(budget_lib.parse(host_ram_budget), hostmem.probe())
   ctx = arrays_lib.read_context_for(cost.limiter_capacity(budget_bytes))
-  hostmem.use_mmap_for_large_buffers()
   hostmem.release_free_memory()
   with hostmem.PeakRss() as peak, ctx.limiter.lease(ctx.capacity_bytes):
     start = time.monotonic()

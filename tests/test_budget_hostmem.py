@@ -1,5 +1,7 @@
 """Budget parsing and the host-memory probe (cgroup files faked)."""
 
+import ctypes
+import os
 import threading
 
 import numpy as np
@@ -7,6 +9,7 @@ import pytest
 
 from kd_ckpt import budget
 from kd_ckpt import hostmem
+from kd_ckpt import limiter as limiter_lib
 
 GiB = 1 << 30
 
@@ -127,6 +130,47 @@ def test_overlapping_measurements_do_not_hide_each_others_peaks():
   assert outer.extra_bytes >= 150 << 20, outer.extra_bytes
   # The inner one measures from its own start: the earlier peak is not its.
   assert 35 << 20 <= inner.extra_bytes < 100 << 20, inner.extra_bytes
+
+
+class _MallInfo2(ctypes.Structure):
+  _fields_ = [(n, ctypes.c_size_t) for n in (
+      'arena', 'ordblks', 'smblks', 'hblks', 'hblkhd', 'usmblks', 'fsmblks',
+      'uordblks', 'fordblks', 'keepcost')]
+
+
+def _mmapped_chunks_for(count: int, nbytes: int) -> int:
+  """How many of `count` live numpy buffers of `nbytes` glibc served with mmap."""
+  libc = ctypes.CDLL('libc.so.6')
+  if not hasattr(libc, 'mallinfo2'):
+    pytest.skip('glibc < 2.33: no mallinfo2')
+  libc.mallinfo2.restype = _MallInfo2
+  before = libc.mallinfo2().hblks
+  held = [np.empty(nbytes, np.uint8) for _ in range(count)]
+  after = libc.mallinfo2().hblks
+  del held
+  return after - before
+
+
+@pytest.mark.skipif(
+    'MALLOC_MMAP_THRESHOLD_' in os.environ or 'GLIBC_TUNABLES' in os.environ,
+    reason='the user\'s own malloc settings are left alone')
+def test_malloc_tuning_lasts_only_while_an_operation_holds_buffers(tmp_path):
+  """mallopt is process-wide: 1 MiB while kd_ckpt holds buffers, glibc's steady
+  state (32 MiB) after, so the training loop's 4 MiB buffers come from the heap
+  again instead of an mmap + page faults each."""
+  import kd_ckpt  # pylint: disable=g-import-not-at-top
+  kd_ckpt.save(tmp_path / 'ckpt', {'w': np.ones((1 << 20,), np.float32)},
+               strategy='streaming', host_ram_budget='256MiB')
+  assert _mmapped_chunks_for(8, 4 << 20) == 0
+  limiter = limiter_lib.HostLimiter()
+  with limiter.lease(64 << 20):
+    with limiter.lease(32 << 20):  # nested: still tuned when the inner ends
+      pass
+    # (A free chunk already in the heap may still serve one or two.)
+    assert _mmapped_chunks_for(8, 4 << 20) >= 6
+  assert _mmapped_chunks_for(8, 4 << 20) == 0
+  # A buffer above the ceiling is still mmapped, as glibc does by default.
+  assert _mmapped_chunks_for(2, 48 << 20) == 2
 
 
 def test_format_bytes():

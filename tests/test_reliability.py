@@ -297,3 +297,24 @@ def test_safe_checkpointer_retries_with_a_fresh_save_and_never_its_own_errors(tm
   with pytest.raises(kd_ckpt.BudgetTooSmallError):
     small.save(state, step=1)
   assert not calls
+
+
+@pytest.mark.parametrize('process_count', [1, 2])
+def test_a_failed_save_removes_its_leftovers_only_when_alone(tmp_path, monkeypatch,
+                                                              process_count):
+  """With other processes still writing into the same directory, removing it
+  under them lets their writes re-create parts of it: a failure leaves it,
+  never a checkpoint, for the next save (which removes it before writing)."""
+  from kd_ckpt import session as session_lib  # pylint: disable=g-import-not-at-top
+  target = tmp_path / 'ckpt'
+  save = session_lib.MeasuredSave(target, {'default': {'w': np.ones(4, np.float32)}},
+                                  host_ram_budget='256MiB', strategy='streaming')
+  leftover = tmp_path / ('ckpt' + disk.TMP_MARKER + '-1')
+  (leftover / 'ocdbt.process_1').mkdir(parents=True)
+  monkeypatch.setattr(session_lib.jax, 'process_count', lambda: process_count)
+  save.fail(RuntimeError('process 0 failed'))
+  monkeypatch.undo()
+  assert leftover.exists() == (process_count > 1)
+  kd_ckpt.save(target, {'w': np.ones(4, np.float32)}, host_ram_budget='256MiB')
+  assert not leftover.exists()
+  assert kd_ckpt.restore(target)['w'].tolist() == [1.0] * 4

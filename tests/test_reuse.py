@@ -306,3 +306,31 @@ def test_pruning_fails_closed_on_a_reference_it_cannot_read(tmp_path, monkeypatc
   assert len(linked) == len(kept_all) > 1, (linked, kept_all)
   back = ocp.StandardCheckpointer().restore(tmp_path / '2')
   assert np.asarray(back['a']).tobytes() == np.asarray(t['a']).tobytes()
+
+
+def test_free_space_is_checked_for_what_a_reusing_save_writes(tmp_path, monkeypatch):
+  """A LoRA-like save that rewrites a few hundred KiB must not ask for the
+  frozen MiBs free; one whose changes do not fit is refused before writing."""
+  from kd_ckpt import storage  # pylint: disable=g-import-not-at-top
+  frozen = _frozen()
+  kd_ckpt.save(tmp_path / '0', _tree(frozen, 0), host_ram_budget='64MiB', fingerprint=True)
+  total = sum(np.asarray(x).nbytes for x in jax.tree.leaves(_tree(frozen, 1)))
+  # Less free than the tree, more than its trainable part (~128 KiB).
+  free = {'bytes': 1 * MiB}
+  monkeypatch.setattr(storage, 'free_bytes', lambda _: free['bytes'])
+  assert total > 8 * free['bytes']
+  r = kd_ckpt.save(tmp_path / '1', _tree(frozen, 1), host_ram_budget='64MiB',
+                   reuse_from=tmp_path / '0')
+  assert r.bytes_reused > 0 and r.bytes_written < free['bytes'], str(r)
+  _assert_same(kd_ckpt.restore(tmp_path / '1'), _tree(frozen, 1))
+  # Without a previous checkpoint every byte is written: refused up front.
+  with pytest.raises(storage.DiskFullError, match='Nothing was written'):
+    kd_ckpt.save(tmp_path / 'fresh', _tree(frozen, 1), host_ram_budget='64MiB',
+                 reuse_from=tmp_path / 'missing')
+  # Changes that do not fit: refused before their bytes are written.
+  free['bytes'] = 64 << 10
+  with pytest.raises(storage.DiskFullError, match='Not enough disk space'):
+    kd_ckpt.save(tmp_path / '2', _tree(frozen, 2), host_ram_budget='64MiB',
+                 reuse_from=tmp_path / '1')
+  assert not (tmp_path / '2').exists()
+  _assert_same(kd_ckpt.restore(tmp_path / '1'), _tree(frozen, 1))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 from typing import Any, Optional
 
@@ -36,6 +37,7 @@ import orbax.checkpoint as ocp
 
 from kd_ckpt import budget as budget_lib
 from kd_ckpt import compat
+from kd_ckpt import exchange
 from kd_ckpt import handler as handler_lib
 from kd_ckpt import limiter as limiter_lib
 from kd_ckpt import plan as plan_lib
@@ -183,8 +185,12 @@ class SafeCheckpointer(kd.ckpts.Checkpointer):
     """The budget in bytes, resolved once ("auto" would drift save to save)."""
     if self._kd['budget'] is None:
       spec = budget_lib.parse(self.host_ram_budget)
-      self._kd['budget'] = (spec.bytes if spec.bytes is not None else
-                            plan_lib.agreed_budget(spec, None, jax.process_count()))
+      if spec.bytes is not None:
+        self._kd['budget'] = spec.bytes
+      else:
+        # Collective, at the first save: named after this run's checkpoints.
+        with exchange.save_round(f'{os.fspath(self.workdir)}#budget'):
+          self._kd['budget'] = plan_lib.agreed_budget(spec, None, jax.process_count())
     return self._kd['budget']
 
   def _step_dir(self, step: int) -> epath.Path:
