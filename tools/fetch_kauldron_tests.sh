@@ -6,9 +6,8 @@
 #   make test-kauldron-peer KAULDRON_SRC=OUTDIR
 #
 # Nothing is vendored into kd_ckpt.  KAULDRON_GIT_DIR: a git directory
-# holding google-research/kauldron (default: $KD_MIRROR/google-research+kauldron/repo
-# with KD_MIRROR defaulting to /work/.mirror).  To make one:
-#   git clone --bare --filter=blob:none https://github.com/google-research/kauldron DIR
+# holding google-research/kauldron.  Unset: a blob-less bare clone made once
+# under ~/.cache/kd_ckpt (tools/git_cache.sh).
 # REV: default v<installed kauldron version>.
 set -euo pipefail
 if [[ $# -lt 1 || $# -gt 2 ]]; then
@@ -19,7 +18,8 @@ out="$1"
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="${here}/.venv/bin/python"
 rev="${2:-v$("${py}" -c 'import importlib.metadata as m; print(m.version("kauldron"))')}"
-git_dir="${KAULDRON_GIT_DIR:-${KD_MIRROR:-/work/.mirror}/google-research+kauldron/repo}"
+source "$(dirname "${BASH_SOURCE[0]}")/git_cache.sh"
+git_dir="$(git_cache_dir kauldron https://github.com/google-research/kauldron "${KAULDRON_GIT_DIR:-}")"
 if ! git --git-dir="${git_dir}" rev-parse --verify --quiet "${rev}^{commit}" >/dev/null 2>&1; then
   echo "error: no revision '${rev}' in KAULDRON_GIT_DIR=${git_dir}" >&2
   exit 2

@@ -11,9 +11,8 @@
 # its oss/ base), in the repository's layout (OUTDIR/checkpoint/orbax/...),
 # plus OUTDIR/ORBAX_REVISION naming the commit.
 #
-# ORBAX_GIT_DIR: a git directory holding google/orbax (bare or not); default
-#   /work/.mirror/google+orbax/repo.  To make one:
-#   git clone --bare --filter=blob:none https://github.com/google/orbax DIR
+# ORBAX_GIT_DIR: a git directory holding google/orbax (bare or not).  Unset:
+#   a blob-less bare clone made once under ~/.cache/kd_ckpt (tools/git_cache.sh).
 # REV: the revision to extract (default HEAD).
 set -euo pipefail
 
@@ -23,7 +22,8 @@ if [[ $# -lt 1 || $# -gt 2 ]]; then
 fi
 out="$1"
 rev="${2:-HEAD}"
-git_dir="${ORBAX_GIT_DIR:-/work/.mirror/google+orbax/repo}"
+source "$(dirname "${BASH_SOURCE[0]}")/git_cache.sh"
+git_dir="$(git_cache_dir orbax https://github.com/google/orbax "${ORBAX_GIT_DIR:-}")"
 if ! git --git-dir="${git_dir}" rev-parse --verify --quiet "${rev}^{commit}" \
     >/dev/null 2>&1; then
   echo "error: no revision '${rev}' in ORBAX_GIT_DIR=${git_dir}" >&2
