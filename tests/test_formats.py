@@ -1,0 +1,162 @@
+"""Every on-disk format restores bit-exact, or is refused cleanly, at any budget.
+
+The checkpoints are written here, by the installed Orbax, with the options
+that Orbax releases have defaulted to or offered over time:
+
+  ocdbt-zarr2-zstd   StandardCheckpointer's default (Orbax >= 0.5)
+  ocdbt-zarr2-raw    use_compression=False
+  ocdbt-zarr3-zstd   use_zarr3=True
+  ocdbt-zarr3-1mib   use_zarr3=True, SaveArgs(chunk_byte_size=1 MiB): many chunks
+  plain-zarr2-zstd   use_ocdbt=False: a folder per array (Orbax < 0.5's default)
+  plain-zarr3-raw    use_ocdbt=False, use_zarr3=True, raw
+  kd-streaming       kd_ckpt's own writer
+
+The tree has a 32 MiB leaf stored as one chunk (far bigger than a restore
+piece at the small budgets), a leaf sharded 8 ways with a prime extent, a
+replicated bf16 leaf with prime extents, a 0-d leaf and a numpy leaf.  Each
+is restored by `kd_ckpt.restore` at budgets from below the smallest kd_ckpt
+honours to far above it.  Two outcomes only: every leaf bit for bit, with
+the call's peak extra RSS minus the restored arrays within the budget (a
+warm process, as a resuming job is; test_budget.py measures fresh ones); or
+`BudgetTooSmallError` before anything is read.  The table is printed and
+written to build/format_budget_table.md.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import kd_ckpt
+from kd_ckpt import hostmem
+from kd_ckpt import startup
+
+MiB = 1 << 20
+TOLERANCE = 8 * MiB
+BUDGETS = (16 * MiB, 40 * MiB, 96 * MiB, 1024 * MiB)
+FORMATS = ('ocdbt-zarr2-zstd', 'ocdbt-zarr2-raw', 'ocdbt-zarr3-zstd', 'ocdbt-zarr3-1mib',
+           'plain-zarr2-zstd', 'plain-zarr3-raw', 'kd-streaming')
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _tree():
+  mesh = Mesh(np.array(jax.devices()), ('x',))
+  rng = np.random.default_rng(19)
+  return {
+      'big': jax.device_put(rng.standard_normal((4096, 2048), np.float32),
+                            jax.devices()[0]),                         # 32 MiB, one chunk
+      'sharded': jax.device_put(rng.standard_normal((1032, 257), np.float32),
+                                NamedSharding(mesh, P('x'))),
+      'bf16': jax.device_put(jnp.asarray(rng.standard_normal((509, 263)), jnp.bfloat16),
+                             NamedSharding(mesh, P())),
+      'count': jnp.int32(7),
+      'host': np.arange(1000, dtype=np.int64),
+  }
+
+
+def _write(fmt: str, directory: pathlib.Path, tree) -> None:
+  if fmt == 'kd-streaming':
+    kd_ckpt.save(directory, tree, strategy='streaming', host_ram_budget='96MiB')
+    return
+  if fmt == 'ocdbt-zarr2-zstd':
+    with ocp.StandardCheckpointer() as c:
+      c.save(directory, tree)
+    return
+  ocdbt, zarr, codec = fmt.split('-')
+  save_args = None
+  if codec == '1mib':
+    save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=MiB), tree)
+  handler = ocp.PyTreeCheckpointHandler(
+      use_ocdbt=ocdbt == 'ocdbt', use_zarr3=zarr == 'zarr3',
+      use_compression=codec in ('zstd', '1mib'))
+  with ocp.Checkpointer(handler) as c:
+    c.save(directory, args=ocp.args.PyTreeSave(tree, save_args=save_args))
+
+
+@pytest.fixture(scope='module')
+def saved(tmp_path_factory):
+  startup.start_compiler()  # a process that has compiled (the cold case: test_budget.py)
+  tree = _tree()
+  root = tmp_path_factory.mktemp('formats')
+  for fmt in FORMATS:
+    _write(fmt, root / fmt, tree)
+  expected = {k: (np.asarray(v).dtype, np.asarray(v).tobytes()) for k, v in tree.items()}
+  abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+      if isinstance(x, jax.Array) else x, tree)
+  # One restore of each format first: what the restore compiles (per shape
+  # and sharding) is paid once per process, as in a training job.
+  for fmt in FORMATS:
+    kd_ckpt.restore(root / fmt, abstract, host_ram_budget='1GiB')
+  return root, abstract, expected
+
+
+@pytest.fixture(scope='module')
+def table():
+  rows: dict[tuple[str, int], str] = {}
+  yield rows
+  head = '| format | ' + ' | '.join(f'{b // MiB} MiB' for b in BUDGETS) + ' |'
+  lines = [head, '|' + ' --- |' * (len(BUDGETS) + 1)]
+  for fmt in FORMATS:
+    lines.append(f'| {fmt} | ' + ' | '.join(rows.get((fmt, b), 'not run') for b in BUDGETS)
+                 + ' |')
+  text = '\n'.join(lines)
+  print('\nkd_ckpt.restore in a warm process: peak extra RSS of the call, restored'
+        ' arrays included (the CPU backend may place them in memory freed by an'
+        ' earlier restore, so "peak - arrays" can be negative; the fresh-process'
+        ' budget bounds are test_budget.py\'s):\n' + text)
+  (REPO / 'build').mkdir(exist_ok=True)
+  (REPO / 'build' / 'format_budget_table.md').write_text(text + '\n')
+
+
+def _restored_bytes(tree) -> int:
+  """What the restored arrays themselves occupy in host memory (CPU backend)."""
+  total = 0
+  for leaf in jax.tree.leaves(tree):
+    if isinstance(leaf, jax.Array):
+      total += sum(s.data.nbytes for s in leaf.addressable_shards)
+    else:
+      total += np.asarray(leaf).nbytes
+  return total
+
+
+@pytest.mark.parametrize('budget', BUDGETS, ids=[f'{b // MiB}MiB' for b in BUDGETS])
+@pytest.mark.parametrize('fmt', FORMATS)
+def test_restores_bit_exact_or_refuses_cleanly(saved, table, fmt, budget):
+  root, abstract, expected = saved
+  hostmem.release_free_memory()
+  try:
+    with hostmem.PeakRss() as peak:
+      back = kd_ckpt.restore(root / fmt, abstract, host_ram_budget=budget)
+  except kd_ckpt.BudgetTooSmallError as e:
+    assert f'{budget}' in str(e) or f'{budget // MiB}' in str(e), str(e)
+    assert 'Raise host_ram_budget to at least' in str(e), str(e)
+    need = re.search(r'to at least ([0-9.]+ [KMG]?i?B)', str(e))
+    table[(fmt, budget)] = f'refused: needs {need.group(1) if need else "?"}'
+    return
+  assert sorted(back) == sorted(expected)
+  for k, (dtype, raw) in expected.items():
+    got = np.asarray(back[k])
+    assert got.dtype == dtype and got.tobytes() == raw, f'{fmt} @ {budget // MiB} MiB: {k}'
+  arrays = _restored_bytes(back)
+  table[(fmt, budget)] = (f'bit-exact, peak +{peak.extra_bytes / MiB:.0f} MiB'
+                          f' ({arrays / MiB:.0f} MiB arrays)')
+  assert peak.extra_bytes - arrays <= budget + TOLERANCE, (fmt, budget, peak.extra_bytes)
+
+
+def test_a_budget_that_works_works_when_larger(saved, table):
+  """Monotonic: once a budget restores a format, every larger one does."""
+  del saved
+  for fmt in FORMATS:
+    ok = [table.get((fmt, b), '').startswith('bit-exact') for b in BUDGETS]
+    if not any(ok):
+      continue
+    first = ok.index(True)
+    assert all(ok[first:]), (fmt, ok)
