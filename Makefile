@@ -2,6 +2,8 @@
 #
 #   make test          unit + integration tests (pytest, ~11 min on 2 cores)
 #   make test-fast     without the slow/integration tests
+#   make test-orbax-lowest   test-fast against the lowest supported
+#                      orbax-checkpoint (ORBAX_LOWEST=0.12.7), venv untouched
 #   make demo          stock Orbax vs kd_ckpt peaks side by side (plot), then a
 #                      tiny Gemma LoRA through kauldron.main: train (reusing the
 #                      frozen weights), resume, inspect and verify each save
@@ -41,7 +43,7 @@ DEMO_DEVICES ?= 8
 DEMO_CFG := configs/gemma_lora.py
 PLAN_ARGS ?=
 
-.PHONY: test test-fast test-orbax-peer test-kauldron-peer test-peers bench-gcs demo bench bench-full calibrate bench-restore-stock plan constraints venv clean
+.PHONY: test test-fast test-orbax-lowest test-orbax-peer test-kauldron-peer test-peers bench-gcs demo bench bench-full calibrate bench-restore-stock plan constraints venv clean
 
 venv: $(STAMP)
 
@@ -59,6 +61,19 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not integration" tests
+
+# The core tests (test-fast's) against the lowest orbax-checkpoint kd_ckpt
+# supports (kd_ckpt/compat.py SUPPORTED_ORBAX), installed on its own into
+# build/ and put ahead of .venv's on PYTHONPATH: the venv is not touched.
+ORBAX_LOWEST ?= 0.12.7
+test-orbax-lowest: $(STAMP)
+	$(PY) -m pip install --quiet --no-deps --upgrade --target build/orbax-$(ORBAX_LOWEST) \
+	  "orbax-checkpoint==$(ORBAX_LOWEST)"
+	PYTHONPATH=build/orbax-$(ORBAX_LOWEST) $(PY) -c 'import orbax.checkpoint as o, \
+	  importlib.metadata as m; assert "build/orbax-" in o.__file__, o.__file__; \
+	  print("orbax-checkpoint from", o.__file__)'
+	PYTHONPATH=build/orbax-$(ORBAX_LOWEST) $(PY) -m pytest -q \
+	  -m "not slow and not integration" tests
 
 # Orbax's own handler test suites (standard_/pytree_checkpoint_handler_test.py)
 # with stock Orbax, then with kd_ckpt's streaming and orbax strategies plugged

@@ -28,11 +28,18 @@ import functools
 import importlib
 import importlib.metadata
 import inspect
+import itertools
 import types
 from typing import Any, Callable, Sequence
 
-# The versions this module was checked against (pyproject.toml pins the same
-# range); a mismatch is not an error by itself, a missing symbol is.
+# orbax-checkpoint releases kd_ckpt supports: [lowest, below), as pyproject.toml
+# declares.  The lowest runs the core tests in `make test-orbax-lowest`;
+# 0.12.0-0.12.6 lack `_physical_read_spec`, 0.12.0-0.12.4 also
+# `NumpyHandler(deepcopy_host_arrays=)`.
+SUPPORTED_ORBAX = ('0.12.7', '0.13')
+
+# The versions `make test` installs (constraints.txt); a mismatch is not an
+# error by itself, a missing symbol is.
 TESTED = {
     'orbax-checkpoint': '0.12.8',
     'jax': '0.12.0.1',
@@ -97,9 +104,27 @@ def _message(package, module, name, params, why) -> str:
   return (
       f'kd_ckpt needs {module}.{name}{sig}, and {package} {version(package)}'
       f' does not provide it: {why}. kd_ckpt was tested with {package}'
-      f' {TESTED.get(package, "?")}; install that version (pip install'
+      f' {TESTED.get(package, "?")}{_range_text(package)}; install that version (pip install'
       f' "{package}=={TESTED.get(package, "")}") or a kd_ckpt release that'
       ' supports yours.')
+
+
+def _range_text(package: str) -> str:
+  if package != 'orbax-checkpoint':
+    return ''
+  lo, hi = SUPPORTED_ORBAX
+  return f' and supports >={lo},<{hi}'
+
+
+def version_tuple(v: str) -> tuple[int, ...]:
+  """'0.12.8' -> (0, 12, 8); non-numeric parts end it ('0.13.0rc1' -> (0, 13, 0))."""
+  out = []
+  for part in v.split('.'):
+    digits = ''.join(itertools.takewhile(str.isdigit, part))
+    if not digits:
+      break
+    out.append(int(digits))
+  return tuple(out)
 
 
 # --- Orbax -------------------------------------------------------------------

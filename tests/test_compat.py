@@ -16,7 +16,15 @@ PKG = REPO / 'kd_ckpt'
 
 def test_every_internal_is_found_in_the_installed_versions():
   versions = compat.check_all()
-  assert versions['orbax-checkpoint'] == compat.TESTED['orbax-checkpoint']
+  lo, hi = compat.SUPPORTED_ORBAX
+  installed = compat.version_tuple(versions['orbax-checkpoint'])
+  assert compat.version_tuple(lo) <= installed < compat.version_tuple(hi), versions
+
+
+def test_pyproject_declares_the_supported_orbax_range():
+  text = (pathlib.Path(__file__).resolve().parents[1] / 'pyproject.toml').read_text()
+  lo, hi = compat.SUPPORTED_ORBAX
+  assert f'"orbax-checkpoint>={lo},<{hi}"' in text
 
 
 def test_a_missing_internal_fails_loudly_naming_version_and_symbol():
