@@ -179,7 +179,7 @@ class MeasuredSave:
           'kd_ckpt: the save of %s failed on process %d; its unfinished directory'
           ' is left for the next save of it to remove (other processes may still'
           ' be writing there).', self.label, jax.process_index())
-    elif jax.process_index() == 0:
+    else:
       try:
         storage.remove_unfinished(self.directory)
       except Exception as cleanup:  # pylint: disable=broad-exception-caught
