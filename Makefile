@@ -56,8 +56,12 @@ $(STAMP): pyproject.toml constraints.txt | $(PY)
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[kauldron,gemma,test]"
 	@touch $@
 
+# Two workers (the CI machine has 2 cores); each test file runs whole on one
+# worker, so module fixtures (GCS server, multi-process saves) are built once.
+# Memory budgets are measured per process, so they do not see each other.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15 tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not integration" tests
