@@ -547,3 +547,19 @@ def test_restore_stock_smoke(tmp_path):
   assert [r.split('|')[2].strip() for r in rows] == ['Orbax', 'kd_ckpt @48MiB'] * 2
   beyond = [float(r.split('|')[5].split()[0]) for r in rows if 'kd_ckpt' in r]
   assert all(b <= 48 + 8 for b in beyond), rows  # the budget, + the tests' tolerance
+
+
+def test_profile_save_times_every_part(tmp_path):
+  """bench/profile_save.py at 64 MiB: every part timed, in one table, nothing left behind."""
+  proc = subprocess.run(
+      [sys.executable, str(BENCH / 'profile_save.py'), '--gib', '0.0625', '--budget', '64MiB',
+       '--dir', str(tmp_path)],
+      cwd=REPO, capture_output=True, text=True, timeout=300,
+      env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = {l.split('|')[1].strip(): l for l in proc.stdout.splitlines() if l.startswith('| ')}
+  assert set(rows) >= {'dd', 'copy', 'crc32c', 'ts write', 'kd_ckpt', 'orbax'}, proc.stdout
+  for name in ('dd', 'copy', 'crc32c', 'ts write', 'kd_ckpt', 'orbax'):
+    assert float(rows[name].split('|')[2]) > 0, rows[name]
+  assert '| kd_ckpt |' in proc.stdout and '100%' in rows['kd_ckpt']
+  assert not list(tmp_path.iterdir()), 'the profile left files behind'
