@@ -67,6 +67,8 @@ def _zstd():
 
 _MIN_READ = 64 << 10  # kvstore reads are at least this long (when possible)
 _MAX_WINDOW = 2 << 20  # compressed bytes per kvstore read when streaming
+# Reads in flight beyond the one being decompressed (each a window).
+_READ_AHEAD = 2
 _MAX_SKIP = 1 << 20  # buffer for decompressed bytes that are dropped
 # A zstd decoder context beyond its window (zstd's DCtx is ~100 KiB), with
 # the stream reader's own buffers.
@@ -216,6 +218,7 @@ class StoredArray:
     self.chunk_nbytes = math.prod(self.chunk_shape) * stored.itemsize
     self._storage_shape = self.chunk_shape[::-1 if self.order == 'F' else 1]
     self._index_cache = (None, None)
+    self._present: set = set()  # keys of big unsharded chunks known to exist
     # zstd decoders kept between `read_pieces` calls (most recent last): a
     # read at or after a decoder's position resumes it instead of
     # decompressing the chunk again from its start.
@@ -248,7 +251,8 @@ class StoredArray:
       box: one slice (step 1) per dimension, in global coordinates.
       max_piece_bytes: the bound on each piece.
     """
-    with hostmem.mmap_large_buffers():  # freed buffers leave RSS at once
+    # Freed buffers above the threshold leave RSS at once.
+    with hostmem.mmap_large_buffers(hostmem.READ_MMAP_THRESHOLD_BYTES):
       yield from self._pieces(box, max_piece_bytes)
 
   def _pieces(self, box: Box, max_piece_bytes: int
@@ -271,25 +275,28 @@ class StoredArray:
     """What a `read_pieces` call holds beyond its 2 pieces (bytes), at most.
 
     Raw: byte-range reads in flight (TensorStore keeps ~3 copies while one
-    lands).  zstd: ~3 copies of the compressed window, the skip buffer, and
-    the decoder's window, read from the stored frame header (zstd sizes its
+    lands).  zstd: ~3 copies of the compressed window, the reads in flight
+    ahead of it (`_READ_AHEAD` windows), the skip buffer, and the decoder's
+    window, read from the stored frame header (zstd sizes its
     buffer from it: 512 KiB at Orbax's zarr v2 level 1).
     """
     limit = max(int(max_piece_bytes), self.dtype.itemsize)
     if not self.compressed:
       return 3 * max(limit // 4, _MIN_READ)
-    return 3 * _zstd_window(limit) + min(limit, _MAX_SKIP) + self._decoder_window()
+    return ((3 + _READ_AHEAD) * _zstd_window(limit) + min(limit, _MAX_SKIP)
+            + self._decoder_window())
 
   def cursor_bytes(self, max_piece_bytes: int) -> int:
     """What one decoder kept between calls holds (bytes), at most; 0 if raw.
 
-    Its window, the last compressed read it was fed, its context.  Up to
+    Its window, the last compressed read it was fed and the reads in flight
+    ahead of it, its context.  Up to
     `max_cursors` are kept (the least recently used is closed first).
     """
     if not self.compressed:
       return 0
     limit = max(int(max_piece_bytes), self.dtype.itemsize)
-    return self._decoder_window() + _zstd_window(limit) + _DCTX_BYTES
+    return self._decoder_window() + (1 + _READ_AHEAD) * _zstd_window(limit) + _DCTX_BYTES
 
   def close(self) -> None:
     """Closes the decoders kept between calls (their memory goes)."""
@@ -374,11 +381,14 @@ class StoredArray:
     """Pieces of chunk `g` over chunk-local [lo, hi), in user axis order."""
     blob, value = self._locate(g), None
     small = self.chunk_nbytes <= max(limit // 4, self._stored.itemsize)
-    if blob is not None and (small or blob.size is None):
+    if blob is not None and (small or (blob.size is None and blob.key not in self._present)):
       # Small chunk: read it whole.  Big unsharded one: does the key exist?
+      # (Asked once: a read in pieces comes back to the same chunk.)
       r = (self._read(blob) if small else self._read(blob, 0, 0)).result()
       blob, value = (blob if r.state == 'value' else None), r.value
       del r
+      if blob is not None and not small:
+        self._present.add(blob.key)
     if blob is None:
       for plo, phi in _split(lo, hi, *_level(
           [b - a for a, b in zip(lo, hi)], self.dtype.itemsize, limit)):
@@ -523,33 +533,58 @@ class _Cursor:
   """A zstd chunk's stream decoder and how far into the chunk it has decoded."""
 
   def __init__(self, array: StoredArray, blob: '_Blob', window: int):
-    self.reader = _zstd().ZstdDecompressor().stream_reader(
-        _Source(array, blob), read_size=window)
+    self.source = _Source(array, blob)
+    self.reader = _zstd().ZstdDecompressor().stream_reader(self.source, read_size=window)
     self.pos = 0
 
   def close(self) -> None:
     self.reader.close()
+    self.source.close()  # drops its reads in flight
 
 
 class _Source:
-  """A blob as a file for zstandard: each read() is one byte-range read."""
+  """A blob as a file for zstandard: each read() is one byte-range read.
+
+  The next `_READ_AHEAD` reads are in flight while the decoder works on the
+  last one (zstandard asks for `read_size` bytes at a time, from the start):
+  reading and decompressing overlap instead of taking turns.
+  """
 
   def __init__(self, array: StoredArray, blob: _Blob):
     self._array, self._blob, self._pos, self._end = array, blob, 0, blob.size
+    self._ahead: collections.deque = collections.deque()  # (start, stop, future)
+    self._next = 0  # where the next read-ahead starts
+
+  def _issue(self, n: int) -> None:
+    stop = self._next + n if self._end is None else min(self._next + n, self._end)
+    if stop > self._next:
+      read = self._array._read  # pylint: disable=protected-access
+      self._ahead.append((self._next, stop, read(self._blob, self._next, stop)))
+      self._next = stop
+
+  def close(self) -> None:
+    self._ahead.clear()
 
   def read(self, n: int = -1) -> bytes:
     if self._end is not None:
       n = min(n, self._end - self._pos)
     if n <= 0:
       return b''
-    read = self._array._read  # pylint: disable=protected-access
+    if not self._ahead or self._ahead[0][0] != self._pos or self._ahead[0][1] - self._pos != n:
+      self._ahead.clear()
+      self._next = self._pos
+    while len(self._ahead) < 1 + _READ_AHEAD and (self._end is None or self._next < self._end):
+      self._issue(n)
+    _, _, future = self._ahead.popleft()
     try:
-      value = read(self._blob, self._pos, self._pos + n).result().value
+      value = future.result().value
     except ValueError as e:  # the value ends before pos + n: read the rest
       if 'OUT_OF_RANGE' not in str(e) or self._end is not None:
         raise
-      value = read(self._blob, self._pos).result().value
+      self._ahead.clear()
+      value = self._array._read(self._blob, self._pos).result().value  # pylint: disable=protected-access
       self._end = self._pos + len(value)
+    del future
     self._pos += len(value)
     return value
 

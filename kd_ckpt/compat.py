@@ -228,6 +228,20 @@ def is_unlimited(byte_limiter) -> bool:
   return isinstance(byte_limiter, orbax.unlimited_bytes)
 
 
+def byte_limit(byte_limiter) -> int | None:
+  """The bytes Orbax's byte limiter admits at once; None: no limit.
+
+  Orbax sets `restore_concurrent_gb` to 96 GB unless told otherwise; a
+  limit at least the budget never binds, and each reservation is a round
+  trip through the restore's event loop.  An unknown limiter counts as 1
+  byte (always honoured).
+  """
+  if byte_limiter is None or is_unlimited(byte_limiter):
+    return None
+  limit = getattr(byte_limiter, '_max_bytes', None)
+  return limit if isinstance(limit, int) and limit > 0 else 1
+
+
 def async_replica_slice_writer(
     values, infos, args, *, primary_host, metadata_key, array_metadata_store,
     ext_metadata) -> Any:

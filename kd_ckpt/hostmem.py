@@ -16,6 +16,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import ctypes.util
@@ -404,10 +405,18 @@ def release_free_memory() -> bool:
 _M_MMAP_THRESHOLD = -3  # mallopt() parameter numbers, from glibc's malloc.h.
 # While kd_ckpt holds host buffers: slices and encode buffers are 1-64 MiB.
 _OPERATION_MMAP_THRESHOLD_BYTES = 1 << 20
+# Reads: their pieces, decoded slabs and device copies recur at one size per
+# leaf, and come and go hundreds of times a second from several threads.
+# Mapped and unmapped each time, their page faults and the kernel's mm lock
+# took 2.1 of 3.4 s of a 1 GiB restore on 8 devices (0.6 s at 8 MiB, where
+# glibc reuses them); buffers above it still leave RSS when freed, and the
+# restore trims the heap as it goes (`release_free_memory`).
+READ_MMAP_THRESHOLD_BYTES = 8 << 20
 # After: the ceiling of glibc's own dynamic threshold (DEFAULT_MMAP_THRESHOLD_MAX
 # on 64-bit), where a process that has freed any large buffer ends up anyway.
 _RESTING_MMAP_THRESHOLD_BYTES = 32 << 20
-_mmap_scopes = 0
+_mmap_scopes: collections.Counter = collections.Counter()  # threshold -> open scopes
+_mmap_current: int | None = None
 _mmap_lock = threading.Lock()
 
 
@@ -425,13 +434,16 @@ def _set_mmap_threshold(nbytes: int) -> bool:
 
 
 @contextlib.contextmanager
-def mmap_large_buffers() -> Iterator[None]:
-  """While open (any thread, nested): glibc serves allocations >= 1 MiB with mmap.
+def mmap_large_buffers(threshold_bytes: int = _OPERATION_MMAP_THRESHOLD_BYTES
+                       ) -> Iterator[None]:
+  """While open (any thread, nested): glibc serves allocations >= `threshold_bytes` with mmap.
 
   glibc raises its mmap threshold dynamically up to 32 MiB, after which freed
   slice buffers and TensorStore's encode buffers stay in the heap and RSS
   does not come down between slices.  With a fixed 1 MiB threshold big
-  buffers go back to the OS the moment they are freed.
+  buffers go back to the OS the moment they are freed.  Reads open it at
+  `READ_MMAP_THRESHOLD_BYTES`; with scopes of several thresholds open, the
+  smallest holds.
 
   The setting is process-wide, so it lasts only while a kd_ckpt operation
   holds buffers (`HostLimiter.lease` opens this).  glibc cannot go back to
@@ -445,18 +457,27 @@ def mmap_large_buffers() -> Iterator[None]:
     with hostmem.mmap_large_buffers():
       write_slices()
   """
-  global _mmap_scopes
   if _user_tuned_malloc():
     yield
     return
+  threshold_bytes = int(threshold_bytes)
   with _mmap_lock:
-    _mmap_scopes += 1
-    if _mmap_scopes == 1:
-      _set_mmap_threshold(_OPERATION_MMAP_THRESHOLD_BYTES)
+    _mmap_scopes[threshold_bytes] += 1
+    _apply_mmap_threshold()
   try:
     yield
   finally:
     with _mmap_lock:
-      _mmap_scopes -= 1
-      if _mmap_scopes == 0:
-        _set_mmap_threshold(_RESTING_MMAP_THRESHOLD_BYTES)
+      _mmap_scopes[threshold_bytes] -= 1
+      if not _mmap_scopes[threshold_bytes]:
+        del _mmap_scopes[threshold_bytes]
+      _apply_mmap_threshold()
+
+
+def _apply_mmap_threshold() -> None:
+  """Sets the smallest open scope's threshold (or the resting one); with the lock."""
+  global _mmap_current
+  want = min(_mmap_scopes) if _mmap_scopes else _RESTING_MMAP_THRESHOLD_BYTES
+  if want != _mmap_current:
+    _set_mmap_threshold(want)
+    _mmap_current = want

@@ -84,8 +84,14 @@ class HostLimiter:
       return self._in_use
 
   @contextlib.contextmanager
-  def lease(self, capacity_bytes: int) -> Iterator['HostLimiter']:
-    """Sets the capacity for the duration of an operation (nested: the smallest)."""
+  def lease(self, capacity_bytes: int, *,
+            mmap_threshold_bytes: int | None = None) -> Iterator['HostLimiter']:
+    """Sets the capacity for the duration of an operation (nested: the smallest).
+
+    `mmap_threshold_bytes`: glibc's mmap threshold meanwhile
+    (`hostmem.mmap_large_buffers`; default 1 MiB, reads pass
+    `hostmem.READ_MMAP_THRESHOLD_BYTES`).
+    """
     if capacity_bytes <= 0:
       raise ValueError(f'capacity_bytes={capacity_bytes} must be positive.')
     with self._lock:
@@ -94,7 +100,8 @@ class HostLimiter:
         self._peak, self._waits = self._in_use, 0
     try:
       # Buffers this limiter admits go back to the OS when freed.
-      with hostmem.mmap_large_buffers():
+      with (hostmem.mmap_large_buffers() if mmap_threshold_bytes is None
+            else hostmem.mmap_large_buffers(mmap_threshold_bytes)):
         yield self
     finally:
       with self._lock:

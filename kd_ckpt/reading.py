@@ -34,7 +34,9 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import itertools
 import math
+import os
 from typing import Any, Iterator, Sequence
 
 from etils import epath
@@ -46,8 +48,10 @@ import tensorstore as ts
 from kd_ckpt import chunkread
 from kd_ckpt import compat
 from kd_ckpt import cost
+from kd_ckpt import hostmem
 from kd_ckpt import limiter as limiter_lib
 from kd_ckpt import plan as plan_lib
+from kd_ckpt import readahead
 from kd_ckpt import slicing
 from kd_ckpt import storage
 from kd_ckpt import text
@@ -136,6 +140,7 @@ class Source:
   def __init__(self, name: str, t: ts.TensorStore, kv: ts.KvStore, ctx: ReadContext):
     self.name = name
     self.t = t
+    self.kv = kv
     self.ctx = ctx
     self.shape = tuple(int(n) for n in t.shape)
     self.dtype = np.dtype(t.dtype.numpy_dtype)
@@ -143,7 +148,7 @@ class Source:
     self.chunk_bytes = math.prod(self.chunk) * self.dtype.itemsize
     # A chunk bigger than a piece is never decoded whole.
     self.stored = None
-    self.cursors, self._held = 1, 0
+    self.cursors, self.held_bytes = 1, 0
     if self.chunk_bytes > ctx.piece_bytes:
       self.stored = chunkread.StoredArray.open(kv, name)
       # Its state grows with the piece: read in pieces small enough that
@@ -175,7 +180,7 @@ class Source:
     turn) would otherwise decompress each chunk again from its start for
     every piece: time quadratic in the chunk-to-piece ratio.
     """
-    if self.stored is None or not self.stored.compressed or n <= 1 or self._held:
+    if self.stored is None or not self.stored.compressed or n <= 1 or self.held_bytes:
       return
     if (read := self._read_bytes(n)) is not None:
       self.read_bytes, self.cursors = read, n
@@ -185,9 +190,9 @@ class Source:
     """Closes the kept decoders and releases what they held."""
     if self.stored is not None:
       self.stored.close()
-    if self._held:
-      self.ctx.limiter.release(self._held)
-      self._held = 0
+    if self.held_bytes:
+      self.ctx.limiter.release(self.held_bytes)
+      self.held_bytes = 0
 
   def __enter__(self) -> 'Source':
     return self
@@ -195,16 +200,68 @@ class Source:
   def __exit__(self, *exc) -> None:
     self.close()
 
-  def pieces(self, box: slicing.Box):
-    """(sub_box, host array) covering `box` (global, inside the stored domain)."""
+  def lane(self) -> 'Source':
+    """Another reader of this array, with decoders of its own (for another thread)."""
+    other = copy.copy(self)
+    other.held_bytes = 0
+    if self.stored is not None:
+      other.stored = chunkread.StoredArray.open(self.kv, self.name)
+    return other
+
+  def hold_decoders(self, *, wait: bool = True) -> bool:
+    """Admits the decoders kept between reads (held until `close()`).
+
+    `wait=False`: only if they fit now; False if they do not.
+    """
+    if self.stored is None or not self.stored.compressed or self.held_bytes:
+      return True
+    need = self.cursors * self.stored.cursor_bytes(self.read_bytes)
+    if wait:
+      self.ctx.limiter.acquire(need)
+    elif not self.ctx.limiter.try_acquire(need):
+      return False
+    self.held_bytes = need
+    return True
+
+  def read_charge(self, box: slicing.Box) -> int:
+    """What reading `box` holds at once, beyond the kept decoders (bytes).
+
+    chunkread: two of its pieces (a piece is at most the box's whole rows of
+    the stored chunk) and its state; TensorStore: the piece and two chunks.
+    """
+    if self.stored is None:
+      return cost.read_charge(slicing.nbytes(box, self.dtype.itemsize), self.chunk_bytes)
+    # chunkread decodes runs of whole rows of a chunk (its trailing axes in C
+    # order, leading ones in F order), then cuts them to the box.
+    if box and self.stored.order == 'C':
+      rows = math.prod([box[0].stop - box[0].start, *self.chunk[1:]])
+      piece = min(self.read_bytes, rows * self.dtype.itemsize)
+    elif box:
+      rows = math.prod([*self.chunk[:-1], box[-1].stop - box[-1].start])
+      piece = min(self.read_bytes, rows * self.dtype.itemsize)
+    else:
+      piece = self.dtype.itemsize
+    return 2 * piece + self.stored.state_bytes(self.read_bytes)
+
+  def one_piece(self, box: slicing.Box) -> bool:
+    """Whether reading `box` yields a single piece (no host buffer to assemble)."""
+    lo = [s.start // c for s, c in zip(box, self.chunk)]
+    hi = [(s.stop - 1) // c for s, c in zip(box, self.chunk)]
+    if lo != hi:
+      return False
+    return self.stored is None or slicing.nbytes(box, self.dtype.itemsize) <= self.read_bytes
+
+  def pieces(self, box: slicing.Box, *, prepaid: bool = False):
+    """(sub_box, host array) covering `box` (global, inside the stored domain).
+
+    `prepaid`: the caller holds `read_charge(box)` (and `hold_decoders()`).
+    """
     lim = self.ctx.limiter
     if self.stored is not None:
-      if not self._held and self.stored.compressed:
-        # The decoders kept between reads, until `close()`.
-        self._held = self.cursors * self.stored.cursor_bytes(self.read_bytes)
-        lim.acquire(self._held)
+      if not prepaid:
+        self.hold_decoders()
       # chunkread holds at most two pieces and its state at any time.
-      charge = 2 * self.read_bytes + self.stored.state_bytes(self.read_bytes)
+      charge = 0 if prepaid else 2 * self.read_bytes + self.stored.state_bytes(self.read_bytes)
       lim.acquire(charge)
       try:
         yield from self.stored.read_pieces(box, self.read_bytes)
@@ -212,7 +269,8 @@ class Source:
         lim.release(charge)
       return
     # Whole stored chunks, each at most a piece, decoded by TensorStore.
-    charge = cost.read_charge(slicing.nbytes(box, self.dtype.itemsize), self.chunk_bytes)
+    charge = 0 if prepaid else cost.read_charge(slicing.nbytes(box, self.dtype.itemsize),
+                                                self.chunk_bytes)
     lim.acquire(charge)
     try:
       data = self.t[box].read().result()
@@ -295,7 +353,8 @@ def _placement(shape, dtype, itemsize, chunk, sharding, piece_bytes):
   plan is an `_InPlace` for the whole leaf (every shard at once), or a dict
   from shard box to an `_InPlace` (None: assembled on the host).
 
-    * A shard of up to two pieces, or of another memory kind (`pinned_host`)
+    * A shard of up to two pieces (one, when pieces are at least
+      `IN_PLACE_MIN_PIECE_BYTES`), or of another memory kind (`pinned_host`)
       or a custom layout, is assembled on the host (nothing compiled).
     * Bigger equal shards of a NamedSharding on this process's devices are
       filled together: one SPMD program per leaf shape.  Filled one device
@@ -309,8 +368,15 @@ def _placement(shape, dtype, itemsize, chunk, sharding, piece_bytes):
   groups = _shard_groups(shape, sharding)
   plain = layout is None and getattr(sharding, 'memory_kind', None) in (None, 'device')
   extents = {key: tuple(b - a for a, b in key) for key in groups}
-  big = {key: plain and math.prod(e) * dtype.itemsize > 2 * piece_bytes
+  # With big pieces, a shard over one piece is filled in place too: its reads
+  # then run in parallel (`readahead`), and two programs are little next to
+  # the pieces.  With small ones the programs would crowd out the pieces.
+  most = piece_bytes if piece_bytes >= IN_PLACE_MIN_PIECE_BYTES else 2 * piece_bytes
+  big = {key: plain and math.prod(e) * dtype.itemsize > most
          for key, e in extents.items()}
+  # Tiles of half a piece: two reads fit in flight, one ahead of the
+  # placement of the other (`readahead`).
+  piece_bytes = max(piece_bytes // 2, itemsize)
   if (all(big.values()) and len(groups) > 1 and len(set(extents.values())) == 1
       and isinstance(sharding, jax.sharding.NamedSharding) and sharding.is_fully_addressable):
     shard = next(iter(extents.values()))
@@ -318,11 +384,13 @@ def _placement(shape, dtype, itemsize, chunk, sharding, piece_bytes):
     # A step holds every device's copy of its piece (host RAM on the CPU
     # backend) and one host piece: within two of the read's pieces.
     piece_bytes = max(2 * piece_bytes // (devices + 2), itemsize)
+    tile = slicing.tile_shape(shard, chunk, itemsize, piece_bytes)
     return groups, _InPlace(sharding, tuple(shape), shard,
-                            slicing.tile_shape(shard, chunk, itemsize, piece_bytes), dtype)
+                            slicing.even_tile(shard, tile, chunk), dtype)
   return groups, {
       key: _InPlace(jax.sharding.SingleDeviceSharding(groups[key][0]), extents[key],
-                    extents[key], slicing.tile_shape(extents[key], chunk, itemsize, piece_bytes),
+                    extents[key], slicing.even_tile(extents[key], slicing.tile_shape(
+                        extents[key], chunk, itemsize, piece_bytes), chunk),
                     dtype)
       if big[key] else None for key in groups}
 
@@ -359,7 +427,6 @@ def fill_array(src: Source, shape, dtype, sharding, *, strict: bool, name: str,
   groups, plan = _placement(shape, dtype, itemsize, src.chunk, sharding, piece)
   sharding, layout = _split_format(sharding)
   if isinstance(plan, _InPlace):
-    src.keep_decoders(len(groups))  # every shard's next piece in turn
     return _fill_in_place(src, shape, plan, groups, reserve)
   memory_kind = getattr(sharding, 'memory_kind', None)
   shards = {}
@@ -393,8 +460,9 @@ def _fill_in_place(src: Source, shape, plan: _InPlace, groups, reserve) -> jax.A
   """`groups`' shards filled on their devices: zeros, then one update per piece.
 
   Each step reads the same relative box of every shard in `groups` and puts
-  it on the shard's devices; the device copies (host RAM on the CPU backend)
-  are admitted until the update has run.
+  it on the shard's devices.  The reads run ahead in worker threads
+  (`readahead`), each admitted with its host piece and device copies (host
+  RAM on the CPU backend) until the update has run.
   """
   lim, dtype = src.ctx.limiter, plan.dtype
   every = isinstance(plan.sharding, jax.sharding.NamedSharding)
@@ -402,42 +470,147 @@ def _fill_in_place(src: Source, shape, plan: _InPlace, groups, reserve) -> jax.A
   piece_nbytes = math.prod(plan.piece) * dtype.itemsize
   order = list(plan.sharding.addressable_devices_indices_map(plan.shape))
   pieces_shape = tuple(f * (n // e) for f, n, e in zip(plan.piece, plan.shape, plan.shard))
+  keys = list(groups)
+  tiles = list(slicing.tiles(plan.shard, plan.piece))
+  lanes = _lanes(src, keys, shape, len(tiles))
+  tasks = []
+  for rel in tiles:
+    for j, key in enumerate(keys):
+      lane = lanes[j % len(lanes)]
+      glob = slicing.offset(slicing.from_pairs(key), rel, shape)
+      inside = _inside(glob, src.shape)
+      charge = len(groups[key]) * piece_nbytes  # its device copies
+      if inside is not None:
+        charge += lane.read_charge(inside)
+        if inside != glob or not lane.one_piece(inside) or src.dtype != dtype:
+          charge += piece_nbytes  # the host piece the read is assembled in
+      else:
+        charge += piece_nbytes
+      tasks.append(readahead.Task(j % len(lanes), charge, functools.partial(
+          _read_host, lane, glob, inside, dtype, reserve)))
   buf = _zeros(plan.shape, dtype, plan.sharding)()
   buf.block_until_ready()
-  for rel in slicing.tiles(plan.shard, plan.piece):
-    on_devices = {}
-    with contextlib.ExitStack() as held:
-      for key, devices in groups.items():
-        held.enter_context(lim.hold_sync(len(devices) * piece_nbytes))
-        glob = slicing.offset(slicing.from_pairs(key), rel, shape)
-        with _host_piece(src, glob, dtype, reserve) as host:
-          for d in devices:
-            on_devices[d] = jax.device_put(host, d)
-          jax.block_until_ready([on_devices[d] for d in devices])
-      pieces = (jax.make_array_from_single_device_arrays(
-          pieces_shape, plan.sharding, [on_devices.pop(d) for d in order])
-                if every else on_devices.pop(order[0]))
-      buf = update(buf, pieces, np.array([s.start for s in rel], np.int32))
-      buf.block_until_ready()  # the pieces' copies are gone before release
-      del pieces
+  try:
+    with readahead.ReadAhead(lim, tasks) as ahead:
+      i = 0
+      for rel in tiles:
+        on_devices, held = {}, 0
+        try:
+          for key in keys:
+            host, charge = ahead.take(i)
+            i += 1
+            devices = groups[key]
+            try:
+              for d in devices:
+                on_devices[d] = jax.device_put(host, d)
+              jax.block_until_ready([on_devices[d] for d in devices])
+            finally:
+              del host  # the read and host piece go; the device copies stay
+              dev = len(devices) * piece_nbytes
+              lim.release(charge - dev)
+              held += dev
+          pieces = (jax.make_array_from_single_device_arrays(
+              pieces_shape, plan.sharding, [on_devices.pop(d) for d in order])
+                    if every else on_devices.pop(order[0]))
+          buf = update(buf, pieces, np.array([s.start for s in rel], np.int32))
+          buf.block_until_ready()  # the pieces' copies are gone before release
+          del pieces
+        finally:
+          on_devices.clear()
+          lim.release(held)
+        if i % TRIM_EVERY_TASKS < len(keys):
+          # Pieces below the read's mmap threshold are freed into glibc's
+          # arenas (one per thread): give them back as the read goes.
+          hostmem.release_free_memory()
+  finally:
+    for lane in lanes[1:]:
+      lane.close()
   return buf
 
 
-@contextlib.contextmanager
-def _host_piece(src: Source, glob: slicing.Box, dtype, reserve) -> Iterator[np.ndarray]:
-  """The stored values of `glob` in `dtype`, zeros beyond the saved array."""
+def _inside(glob: slicing.Box, stored_shape) -> slicing.Box | None:
+  """The part of `glob` inside the stored array (strict=False); None if none."""
+  inside = tuple(slice(s.start, min(s.stop, n)) for s, n in zip(glob, stored_shape))
+  return inside if all(s.stop > s.start for s in inside) else None
+
+
+# Pieces from which a shard of over one piece is filled in place.
+IN_PLACE_MIN_PIECE_BYTES = 16 << 20
+# How often (in tasks read) a read trims glibc's arenas (~1 ms each).
+TRIM_EVERY_TASKS = 16
+# Reader threads of one leaf at most: zstd decoding releases the GIL, and
+# reads beyond the cores only contend.
+MAX_READ_LANES = max(1, min(os.cpu_count() or 1, 4))
+
+
+def _lanes(src: Source, keys, shape, num_tiles: int) -> list[Source]:
+  """The readers of one leaf's shards: `src` and, where they fit, more.
+
+  Shard j is read by lane j % len(lanes), in tile order.  Lanes beyond the
+  first need their own decoders (chunkread), admitted now if they fit, and
+  must not share a stored chunk (each would decode it from its start).
+  """
+  n = min(MAX_READ_LANES, len(keys))
+  if n > 1 and src.stored is not None and not _disjoint_chunks(src, keys, shape, n):
+    n = 1
+  lanes = [src]
+  per_lane = -(-len(keys) // n)
+  src.keep_decoders(per_lane if n > 1 else len(keys))
+  src.hold_decoders()
+  for _ in range(1, n):
+    lane = src.lane()
+    lane.keep_decoders(per_lane)
+    if not lane.hold_decoders(wait=False):
+      lane.close()
+      break
+    lanes.append(lane)
+  if len(lanes) not in (1, n) and src.stored is not None:
+    # Fewer lanes than planned share chunks differently: check again.
+    if not _disjoint_chunks(src, keys, shape, len(lanes)):
+      for lane in lanes[1:]:
+        lane.close()
+      lanes = [src]
+  return lanes
+
+
+def _disjoint_chunks(src: Source, keys, shape, n: int, limit: int = 4096) -> bool:
+  """Whether no stored chunk is read by two lanes (shard j on lane j % n)."""
+  owner: dict[tuple, int] = {}
+  for j, key in enumerate(keys):
+    inside = _inside(slicing.from_pairs(key), src.shape)
+    if inside is None:
+      continue
+    ranges = [range(s.start // c, (s.stop - 1) // c + 1) for s, c in zip(inside, src.chunk)]
+    if math.prod(len(r) for r in ranges) > limit:
+      return False
+    for g in itertools.product(*ranges):
+      if owner.setdefault(g, j % n) != j % n:
+        return False
+  return True
+
+
+def _read_host(src: Source, glob: slicing.Box, inside: slicing.Box | None, dtype,
+               reserve) -> np.ndarray:
+  """The stored values of `glob` in `dtype`, zeros beyond the saved array.
+
+  The caller holds the read's bytes (`Source.read_charge`, prepaid) and,
+  unless one stored piece covers `glob`, the host piece assembled here.
+  """
   shape = tuple(s.stop - s.start for s in glob)
-  inside = tuple(slice(s.start, min(s.stop, n)) for s, n in zip(glob, src.shape))
-  with src.ctx.limiter.hold_sync(math.prod(shape) * dtype.itemsize):
-    out = np.zeros(shape, dtype)
-    if all(s.stop > s.start for s in inside):  # strict=False: beyond it, zeros
-      with (reserve(slicing.nbytes(inside, src.dtype.itemsize)) if reserve
-            else contextlib.nullcontext()):
-        for sub, data in src.pieces(inside):
-          out[tuple(slice(a.start - b.start, a.stop - b.start) for a, b in zip(sub, glob))] = data
-          del data
-    yield out
-    del out
+  if inside is None:  # strict=False: beyond the saved array, zeros
+    return np.zeros(shape, dtype)
+  out = None
+  with (reserve(slicing.nbytes(inside, src.dtype.itemsize)) if reserve
+        else contextlib.nullcontext()):
+    for sub, data in src.pieces(inside, prepaid=True):
+      if out is None and tuple(data.shape) == shape and data.dtype == dtype:
+        out = data  # the one piece, covering all of `glob`
+        continue
+      if out is None:
+        out = np.zeros(shape, dtype)
+      out[tuple(slice(a.start - b.start, a.stop - b.start) for a, b in zip(sub, glob))] = data
+      del data
+  return out
 
 
 class _HostShard:
@@ -554,13 +727,15 @@ async def _check_files(infos, handler) -> None:
           info.parent_dir / info.name, compat.handler_option(handler, 'metadata_key'), info.use_zarr3)
 
 
-def _orbax_reservation(byte_limiter, loop):
+def _orbax_reservation(byte_limiter, loop, capacity_bytes: int):
   """Orbax's own byte limiter (`restore_concurrent_gb`), honoured when set.
 
-  It is an asyncio object of the restore's event loop; reads run in a worker
-  thread, so reservations are made on that loop.
+  It is an asyncio object of the restore's event loop; reads run in worker
+  threads, so reservations are made on that loop.  A limit at least the
+  read's capacity never binds (the limiter admits less at once): skipped.
   """
-  if byte_limiter is None or compat.is_unlimited(byte_limiter):
+  limit = compat.byte_limit(byte_limiter)
+  if limit is None or limit >= capacity_bytes:
     return None
 
   @contextlib.contextmanager
@@ -659,14 +834,15 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
         with Source(info.name, t, kv, read) as src:
           out.append(fill_array(
               src, shape, dtype, sharding, strict=getattr(arg, 'strict', True),
-              name=info.name, reserve=_orbax_reservation(info.byte_limiter, loop)))
+              name=info.name, reserve=_orbax_reservation(info.byte_limiter, loop, ctx.capacity_bytes)))
       _COMPILED.update(programs)
     return out
 
   out = [None] * len(infos)
   # Reads block on TensorStore and on the limiter: off the event loop.  The
   # leaves' bookkeeping (specs, open TensorStores, results) is admitted first.
-  with ctx.limiter.lease(ctx.capacity_bytes):
+  with ctx.limiter.lease(ctx.capacity_bytes,
+                         mmap_threshold_bytes=hostmem.READ_MMAP_THRESHOLD_BYTES):
     async with ctx.limiter.hold(cost.leaves_charge(len(infos))):
       leaves = await asyncio.to_thread(open_all)
       small = {}
@@ -716,6 +892,8 @@ async def read_numpy(handler, infos, args, ctx: ReadContext) -> list[np.ndarray]
       out.append(result)
     return out
 
-  with ctx.limiter.lease(ctx.capacity_bytes), ctx.limiter.hold_sync(
+  with ctx.limiter.lease(
+      ctx.capacity_bytes, mmap_threshold_bytes=hostmem.READ_MMAP_THRESHOLD_BYTES
+  ), ctx.limiter.hold_sync(
       cost.leaves_charge(len(infos))):
     return await asyncio.to_thread(read_all)

@@ -142,6 +142,29 @@ def tile_shape(local_shape: Sequence[int], chunk: Sequence[int], itemsize: int,
   return tuple(box)
 
 
+def even_tile(local_shape: Sequence[int], tile: Sequence[int], chunk: Sequence[int],
+              max_steps: int = 4096) -> tuple[int, ...]:
+  """`tile`, shrunk by at most half on each axis to divide the shard evenly.
+
+  `tiles` moves the last tile back over its neighbour when the tile does
+  not divide the shard; a stream decoder would then decode the chunk again
+  from its start.  Whole stored chunks stay whole.
+
+    slicing.even_tile((1000, 8), (300, 8), (1000, 8))  # (250, 8)
+  """
+  out = []
+  for n, t, c in zip(local_shape, tile, chunk):
+    n, t, c = int(n), int(t), int(c)
+    best = t
+    if t and n % t:
+      for d in range(t, max(t // 2, t - max_steps, 1) - 1, -1):
+        if n % d == 0 and (c >= n or c > t or d % c == 0):
+          best = d
+          break
+    out.append(best)
+  return tuple(out)
+
+
 def tiles(local_shape: Sequence[int], tile: Sequence[int]):
   """Boxes of shape `tile` covering `local_shape`; the last one along each
   axis is moved back to end at the shard's end (overlapping its neighbour),

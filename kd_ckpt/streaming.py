@@ -215,7 +215,10 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
         process_index=ocdbt_subdir(info.is_ocdbt_checkpoint),
         metadata_key=self._options.metadata_key, ext_metadata=ext_metadata)
     limiter = info.byte_limiter
-    if limiter is not None and compat.is_unlimited(limiter):
+    limit = compat.byte_limit(limiter)
+    if limit is None or limit >= self.save_context.capacity_bytes:
+      # Orbax's default (96 GB) never binds inside the budget: skip its
+      # per-slice reservation, which also waits for each slice's staging.
       limiter = None
     return _Prepared(arr, rslices, local_shape, chunk, itemsize, spec,
                      with_chunk_shape(spec.json, chunk), info.name, limiter,

@@ -217,7 +217,8 @@ def verify(
   budget_bytes = budget_lib.resolve(budget_lib.parse(host_ram_budget), hostmem.probe())
   ctx = arrays_lib.read_context_for(cost.limiter_capacity(budget_bytes))
   hostmem.release_free_memory()
-  with hostmem.PeakRss() as peak, ctx.limiter.lease(ctx.capacity_bytes):
+  with hostmem.PeakRss() as peak, ctx.limiter.lease(
+      ctx.capacity_bytes, mmap_threshold_bytes=hostmem.READ_MMAP_THRESHOLD_BYTES):
     start = time.monotonic()
     records = integrity.read(path)
     checks = []

@@ -181,6 +181,29 @@ def run_worker(*args: str, timeout: int = 600) -> dict:
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _digests(tree) -> dict[str, str]:
+  """sha256 of each leaf's shards, by path and shard index.
+
+  Read through zero-copy views of the device buffers (CPU backend): no host
+  copy is made, so the RSS measured after this is not disturbed.
+  """
+  import hashlib  # pylint: disable=g-import-not-at-top
+  out = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    name = jax.tree_util.keystr(path)
+    shards = getattr(x, 'addressable_shards', None)
+    if shards is None:
+      out[name] = hashlib.sha256(np.ascontiguousarray(x).view(np.uint8)).hexdigest()
+      continue
+    for sh in shards:
+      index = tuple((s.start, s.stop) for s in sh.index)
+      view = np.asarray(sh.data)  # zero-copy on the CPU backend
+      out[f'{name}{index}'] = hashlib.sha256(
+          np.ascontiguousarray(view).reshape(-1).view(np.uint8)).hexdigest()
+      del view
+  return out
+
+
 def _worker(argv):
   """MODE DIR STATE TOTAL_BYTES [ARGS]: one measured operation, JSON on stdout.
 
@@ -282,6 +305,7 @@ def _worker(argv):
     via = argv[5] if len(argv) > 5 else 'api'
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+    want = _digests(tree)  # every restore is checked bit-exact, after measuring
     del tree
     hostmem.release_free_memory()
     if via == 'ckpt':
@@ -303,6 +327,10 @@ def _worker(argv):
         jax.block_until_ready(back)
     out = {'peak_extra_bytes': peak.extra_bytes, 'restored_bytes': resident_bytes(back),
            'budget_bytes': budget_lib.resolve(budget, hostmem.probe())}
+    got = _digests(back.params if via == 'ckpt' else back)
+    if got != want:
+      bad = sorted(k for k in want if got.get(k) != want[k])
+      raise SystemExit(f'restored values differ from the saved ones: {bad[:5]}')
   else:
     raise SystemExit(f'unknown mode {mode!r}')
   print(json.dumps(out))

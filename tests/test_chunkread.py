@@ -344,7 +344,10 @@ def test_kept_decoders_decompress_each_zstd_chunk_once(tmp_path):
 
     def counting(blob, a=0, b=None):
       f = read(blob, a, b)
-      total[0] += len(f.result().value)
+      try:
+        total[0] += len(f.result().value)
+      except ValueError:  # a read ahead past the chunk's end: nothing fetched
+        pass
       return f
 
     array._read = counting  # pylint: disable=protected-access

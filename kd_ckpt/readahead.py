@@ -1,0 +1,140 @@
+"""Read ahead of placement: worker threads read the next pieces inside the limiter.
+
+A bounded restore is a sequence of reads (stored bytes -> a host piece) and
+placements (host piece -> device, one update per tile).  Done in turn, the
+disk, the zstd decoder and the device copy take turns on a 2-core host; done
+here, reads run in worker threads ("lanes", one per group of shards whose
+stored chunks no other lane touches) while the caller places what is read.
+
+Every task's bytes (its host piece, its read, its device copies) are
+acquired from the limiter *in task order*, before the task runs, and the
+caller releases them as it consumes the task.  Task i can only wait for
+bytes held by tasks before it, which the caller consumes first: no
+deadlock, and at any time the bytes held are those of the tasks in flight.
+A task that fits the budget alone runs as it would in turn; when the budget
+has room for several, they overlap.  So time falls as the budget grows,
+and the peak never passes it.
+
+Example:
+
+  tasks = [Task(lane=i % 2, charge_bytes=n, run=functools.partial(read, i)) for i in ...]
+  with ReadAhead(lim, tasks) as ahead:
+    for i in range(len(tasks)):
+      piece, charge = ahead.take(i)
+      place(piece)
+      lim.release(charge)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable, Sequence
+
+from kd_ckpt import limiter as limiter_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """One read: the lane (thread) it runs on, what it holds, what it does."""
+
+  lane: int
+  charge_bytes: int
+  run: Callable[[], Any]
+
+
+class ReadAhead:
+  """Runs `tasks` ahead of the caller; `take(i)` returns task i's result.
+
+  Tasks of one lane run in their order on that lane's thread.  The caller
+  must take the tasks in order and release each task's charge (returned by
+  `take`) when done with its result.  `close()` (or leaving the `with`
+  block) stops the lanes and releases what was read but not taken.
+  """
+
+  def __init__(self, lim: limiter_lib.HostLimiter, tasks: Sequence[Task]):
+    self._lim = lim
+    self._tasks = list(tasks)
+    self._cond = threading.Condition()
+    self._turn = 0  # the next task to acquire its bytes
+    self._done: dict[int, tuple[Any, int]] = {}
+    self._failed: dict[int, BaseException] = {}
+    self._stop = False
+    lanes: dict[int, list[int]] = {}
+    for i, t in enumerate(self._tasks):
+      lanes.setdefault(t.lane, []).append(i)
+    self._threads = [threading.Thread(target=self._lane, args=(ids,), daemon=True,
+                                      name=f'kd_ckpt-read-{lane}')
+                     for lane, ids in lanes.items()]
+    for th in self._threads:
+      th.start()
+
+  def __enter__(self) -> 'ReadAhead':
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def _lane(self, ids: list[int]) -> None:
+    for i in ids:
+      task = self._tasks[i]
+      with self._cond:
+        while self._turn != i and not self._stop:
+          self._cond.wait()
+        if self._stop:
+          return
+      try:
+        # In task order: only tasks before this one hold bytes it waits for.
+        self._lim.acquire(task.charge_bytes)
+      except BaseException as e:  # pylint: disable=broad-exception-caught
+        with self._cond:
+          self._failed[i] = e
+          self._stop = True
+          self._cond.notify_all()
+        return
+      with self._cond:
+        self._turn = i + 1
+        self._cond.notify_all()
+        if self._stop:  # closed while this one waited: nobody will take it
+          self._lim.release(task.charge_bytes)
+          return
+      try:
+        result = task.run()
+      except BaseException as e:  # pylint: disable=broad-exception-caught
+        self._lim.release(task.charge_bytes)
+        with self._cond:
+          self._failed[i] = e
+          self._stop = True
+          self._cond.notify_all()
+        return
+      with self._cond:
+        if self._stop:
+          del result
+          self._lim.release(task.charge_bytes)
+          return
+        self._done[i] = (result, task.charge_bytes)
+        self._cond.notify_all()
+
+  def take(self, i: int) -> tuple[Any, int]:
+    """Task i's (result, charge): the caller releases the charge when done."""
+    with self._cond:
+      while i not in self._done and not self._failed:
+        if self._stop and not any(th.is_alive() for th in self._threads):
+          raise RuntimeError(f'read task {i} was never run (the read was stopped)')
+        self._cond.wait(timeout=1.0)
+      if i in self._done:
+        return self._done.pop(i)
+      # A task failed: the read fails with its error (later tasks stopped).
+      raise self._failed[min(self._failed)]
+
+  def close(self) -> None:
+    """Stops the lanes (after their current task) and releases what is left."""
+    with self._cond:
+      self._stop = True
+      self._cond.notify_all()
+      # Before joining: a lane may be waiting in the limiter for these bytes.
+      for _, charge in self._done.values():
+        self._lim.release(charge)
+      self._done.clear()
+    for th in self._threads:
+      th.join()
