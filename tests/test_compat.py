@@ -143,3 +143,13 @@ def test_private_names_of_orbax_and_jax_are_used_in_compat_only():
           continue
         found.append(f'{path.relative_to(pkg)}:{node.lineno}: .{node.attr}')
   assert not found, found
+
+
+def test_byte_limit_reads_orbax_byte_limiters():
+  """Orbax's default byte limiters (96 GB) are read, so reads can skip them."""
+  from orbax.checkpoint._src.serialization import limits  # pylint: disable=g-import-not-at-top
+  assert compat.byte_limit(None) is None
+  assert compat.byte_limit(limits.get_byte_limiter(None)) is None
+  assert compat.byte_limit(limits.get_byte_limiter(96 * 10**9)) == 96 * 10**9
+  assert compat.byte_limit(limits.get_byte_limiter(12345)) == 12345
+  assert compat.byte_limit(object()) == 1  # unknown: always honoured
