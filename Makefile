@@ -17,6 +17,9 @@
 #   make bench-restore-stock   a checkpoint stock Orbax wrote (one zstd chunk
 #                      per shard), restored by Orbax and by kd_ckpt at
 #                      64-256 MiB: seconds and peaks; ~1 min
+#   make bench-speed   bench/speed.py: ratios to Orbax (and dd) measured in one
+#                      run: a training loop's stall in save(), s/GB from 128 MiB
+#                      to 4 GiB, per-leaf cost at 10-10,000 leaves; ~8-10 min
 #   make test-orbax-peer ORBAX_SRC=DIR   Orbax's own handler test suites, with
 #                      stock Orbax and with kd_ckpt plugged in (each strategy)
 #   make test-kauldron-peer KAULDRON_SRC=DIR   Kauldron's checkpointer suite, with
@@ -44,7 +47,7 @@ DEMO_DEVICES ?= 8
 DEMO_CFG := configs/gemma_lora.py
 PLAN_ARGS ?=
 
-.PHONY: test test-fast test-orbax-lowest test-orbax-peer test-kauldron-peer test-peers bench-gcs demo bench bench-full calibrate bench-restore-stock plan constraints venv clean
+.PHONY: test test-fast test-orbax-lowest test-orbax-peer test-kauldron-peer test-peers bench-gcs demo bench bench-full calibrate bench-restore-stock bench-speed plan constraints venv clean
 
 venv: $(STAMP)
 
@@ -136,6 +139,11 @@ calibrate: $(STAMP)
 
 bench-restore-stock: $(STAMP)
 	$(PY) bench/restore_stock.py --out bench/results/restore_stock.md
+
+# Issue 20: speed as ratios to Orbax and dd measured in the same run (the
+# disk's speed varies up to 10x between runs).
+bench-speed: $(STAMP)
+	$(PY) bench/speed.py --out bench/results/speed.md
 
 plan: $(STAMP)
 	$(PY) -m kd_ckpt plan --cfg=$(DEMO_CFG) $(PLAN_ARGS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -563,3 +564,66 @@ def test_profile_save_times_every_part(tmp_path):
     assert float(rows[name].split('|')[2]) > 0, rows[name]
   assert '| kd_ckpt |' in proc.stdout and '100%' in rows['kd_ckpt']
   assert not list(tmp_path.iterdir()), 'the profile left files behind'
+
+
+def _md_tables(text: str) -> dict[str, list[dict[str, str]]]:
+  """'### Title' -> the rows of the markdown table under it, as {header: cell}."""
+  tables, title, header = {}, None, None
+  for line in text.splitlines():
+    if line.startswith('### '):
+      title, header = line[4:], None
+      tables[title] = []
+    elif title and line.startswith('| ') and not line.startswith('| ---'):
+      cells = [c.strip() for c in line.strip().strip('|').split('|')]
+      if header is None:
+        header = cells
+      else:
+        assert len(cells) == len(header), line
+        # Repeated headers ('x Orbax' for save and restore) get their position.
+        tables[title].append({f'{h}#{i}': c for i, (h, c) in enumerate(zip(header, cells))})
+  return tables
+
+
+@pytest.mark.slow
+def test_speed_smoke(tmp_path):
+  """bench/speed.py at tiny sizes (~40 s on 2 cores): its three tables, a row per
+  variant, every ratio finite and > 0, every restore checked, nothing left behind."""
+  import speed  # pylint: disable=g-import-not-at-top
+  out, work = tmp_path / 'speed.md', tmp_path / 'work'
+  work.mkdir()
+  proc = subprocess.run(
+      [sys.executable, str(BENCH / 'speed.py'), '--stall-size', '8MiB', '--steps', '4',
+       '--every', '2', '--scale-sizes', '4MiB,8MiB', '--leaf-counts', '10,100',
+       '--dir', str(work), '--out', str(out)],
+      cwd=REPO, capture_output=True, text=True, timeout=240, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert not list(work.iterdir()), 'speed.py left files behind'
+  tables = _md_tables(out.read_text())
+  stall, = [v for k, v in tables.items() if k.startswith('Stall')]
+  scale, = [v for k, v in tables.items() if k.startswith('Scaling')]
+  leaves, = [v for k, v in tables.items() if k.startswith('Per-leaf')]
+  assert [r['variant#0'] for r in stall] == list(speed.STALL_VARIANTS)
+  assert [r['size#0'] for r in scale] == ['4.00 MiB', '8.00 MiB']
+  assert [(r['leaves#0'], r['variant#1'].split(' @')[0]) for r in leaves] == [
+      (n, v) for n in ('10', '100') for v in speed.LEAF_VARIANTS]
+
+  for name, rows in (('stall', stall), ('scale', scale), ('leaves', leaves)):
+    ratios = [(k, r[k]) for r in rows for k in r if k.startswith('x ')]
+    assert len(ratios) >= 2 * len(rows), (name, rows)
+    for k, cell in ratios:
+      assert cell.endswith('x'), (name, k, cell)
+      value = float(cell[:-1])
+      assert np.isfinite(value) and value > 0, (name, k, cell)
+  for r in stall:
+    assert r['restored ok#11'] == 'True' and r['saves#1'] == '2', r
+    assert float(r['blocked s (sum)#2']) > 0 and float(r['loop s#7']) > 0, r
+    done, steps = r['steps not donated#10'].split('/')
+    assert 0 <= int(done) <= int(steps) == 4, r
+  assert stall[0]['x Orbax blocked#5'] == '1.00x'
+  for r in scale:
+    assert float(r['kd s/GB#2']) > 0 and float(r['dd s (before, after)#3'].split()[0]) > 0, r
+  flat = re.search(r'Flatness .*: ([0-9.]+)', out.read_text())
+  assert flat and float(flat.group(1)) >= 1.0
+  for r in leaves:
+    assert float(r['save s#2']) > 0 and float(r['restore s#6']) > 0, r
+  assert out.read_text() in proc.stdout  # printed too
