@@ -126,9 +126,15 @@ def limiter_capacity(budget_bytes: int) -> int:
 
 
 def min_budget_bytes(num_leaves: int = 0) -> int:
-  """The smallest budget a bounded save (of `num_leaves` leaves) can honour."""
-  return (FLOOR_BYTES + 2 * staged_charge(MIN_SLICE_BYTES, contiguous=False)
-          + leaves_charge(num_leaves))
+  """The smallest budget a bounded save (of `num_leaves` leaves) can honour.
+
+  `streaming_layout` needs room for two slices of MIN_SLICE_BYTES at the
+  worst staging cost, and for two groups of TARGET_SLICES_PER_GROUP such
+  slices: the larger of the two.
+  """
+  slices = max(2 * staged_charge(MIN_SLICE_BYTES, contiguous=False),
+               int(2 * STAGED_FACTOR * TARGET_SLICES_PER_GROUP * MIN_SLICE_BYTES))
+  return FLOOR_BYTES + slices + leaves_charge(num_leaves)
 
 
 # --- what the limiter charges ---------------------------------------------------

@@ -386,3 +386,11 @@ def test_async_report_covers_memory_the_background_commit_allocates(tmp_path, mo
   assert report.async_commit
   assert report.peak_extra_bytes >= 120 * MiB, str(report)
   ckpt.close()
+
+
+@pytest.mark.parametrize('num_leaves', [0, 1, 400, 2000, 10_000])
+def test_the_smallest_budget_named_in_errors_is_one_that_plans(num_leaves):
+  """The budget `BudgetTooSmallError` tells users to raise to is feasible; less is not."""
+  need = cost.min_budget_bytes(num_leaves)
+  assert cost.streaming_layout(need, num_leaves).feasible
+  assert not cost.streaming_layout(need - 64 * 1024, num_leaves).feasible
