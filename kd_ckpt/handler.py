@@ -271,8 +271,8 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
       restore_args = jax.tree.map(
           lambda a: dataclasses.replace(a, strict=False) if hasattr(a, 'strict') else a,
           restore_args)
-    with read.limiter.lease(capacity,
-                            mmap_threshold_bytes=hostmem.READ_MMAP_THRESHOLD_BYTES):
+    with read.limiter.lease(capacity, mmap_threshold_bytes=hostmem.read_mmap_threshold(
+        remote=storage.is_remote(directory))):
       out = impl.restore(directory, args=ocp.args.PyTreeRestore(
           item=args.item, restore_args=restore_args))
     hostmem.release_free_memory()

@@ -420,6 +420,17 @@ _mmap_current: int | None = None
 _mmap_lock = threading.Lock()
 
 
+def read_mmap_threshold(*, remote: bool) -> int:
+  """glibc's mmap threshold for a read (`mmap_large_buffers`).
+
+  `READ_MMAP_THRESHOLD_BYTES` from local disks.  From a bucket, 1 MiB as for
+  saves: the HTTP clients' response buffers, freed in many threads' arenas,
+  were kept there at 8 MiB (150 MiB beyond the restored arrays for a 128
+  MiB budget, tests/test_object_storage.py).
+  """
+  return _OPERATION_MMAP_THRESHOLD_BYTES if remote else READ_MMAP_THRESHOLD_BYTES
+
+
 def _user_tuned_malloc() -> bool:
   """Whether the user set glibc's mmap threshold themselves (then it is theirs)."""
   return ('MALLOC_MMAP_THRESHOLD_' in os.environ

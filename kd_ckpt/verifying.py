@@ -39,6 +39,7 @@ from kd_ckpt import hostmem
 from kd_ckpt import integrity
 from kd_ckpt import reading
 from kd_ckpt import slicing
+from kd_ckpt import storage
 from kd_ckpt import text
 
 # Orbax stores these as arrays in the OCDBT database (strings go elsewhere).
@@ -218,7 +219,8 @@ def verify(
   ctx = arrays_lib.read_context_for(cost.limiter_capacity(budget_bytes))
   hostmem.release_free_memory()
   with hostmem.PeakRss() as peak, ctx.limiter.lease(
-      ctx.capacity_bytes, mmap_threshold_bytes=hostmem.READ_MMAP_THRESHOLD_BYTES):
+      ctx.capacity_bytes,
+      mmap_threshold_bytes=hostmem.read_mmap_threshold(remote=storage.is_remote(directory))):
     start = time.monotonic()
     records = integrity.read(path)
     checks = []

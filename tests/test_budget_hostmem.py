@@ -158,8 +158,12 @@ def test_malloc_tuning_lasts_only_while_an_operation_holds_buffers(tmp_path):
   """mallopt is process-wide: 1 MiB while kd_ckpt holds buffers, glibc's steady
   state (32 MiB) after, so the training loop's large buffers come from the heap
   again instead of an mmap + page faults each (16 MiB buffers here)."""
+  import jax  # pylint: disable=g-import-not-at-top
   import kd_ckpt  # pylint: disable=g-import-not-at-top
-  kd_ckpt.save(tmp_path / 'ckpt', {'w': np.ones((1 << 20,), np.float32)},
+  # A jax.Array: the streaming writer (a limiter lease) writes it.  (A numpy
+  # leaf goes through Orbax's own handler, with no lease: the assert below
+  # then held only when an earlier test in the process had opened one.)
+  kd_ckpt.save(tmp_path / 'ckpt', {'w': jax.device_put(np.ones((1 << 20,), np.float32))},
                strategy='streaming', host_ram_budget='256MiB')
   assert _mmapped_chunks_for(8, 16 << 20) == 0
   limiter = limiter_lib.HostLimiter()
