@@ -87,10 +87,7 @@ class ReadAhead:
         # In task order: only tasks before this one hold bytes it waits for.
         self._lim.acquire(task.charge_bytes)
       except BaseException as e:  # pylint: disable=broad-exception-caught
-        with self._cond:
-          self._failed[i] = e
-          self._stop = True
-          self._cond.notify_all()
+        self._fail(i, e)
         return
       with self._cond:
         self._turn = i + 1
@@ -102,10 +99,7 @@ class ReadAhead:
         result = task.run()
       except BaseException as e:  # pylint: disable=broad-exception-caught
         self._lim.release(task.charge_bytes)
-        with self._cond:
-          self._failed[i] = e
-          self._stop = True
-          self._cond.notify_all()
+        self._fail(i, e)
         return
       with self._cond:
         if self._stop:
@@ -114,6 +108,13 @@ class ReadAhead:
           return
         self._done[i] = (result, task.charge_bytes)
         self._cond.notify_all()
+
+  def _fail(self, i: int, error: BaseException) -> None:
+    """Task i failed: record why and stop every lane."""
+    with self._cond:
+      self._failed[i] = error
+      self._stop = True
+      self._cond.notify_all()
 
   def take(self, i: int) -> tuple[Any, int]:
     """Task i's (result, charge): the caller releases the charge when done."""

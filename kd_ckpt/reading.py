@@ -558,7 +558,7 @@ def _lanes(src: Source, keys, shape, max_lanes: int) -> list[Source]:
     n = 1
   lanes = [src]
   per_lane = -(-len(keys) // n)
-  src.keep_decoders(per_lane if n > 1 else len(keys))
+  src.keep_decoders(per_lane)
   src.hold_decoders()
   for _ in range(1, n):
     lane = src.lane()
