@@ -269,8 +269,7 @@ class Source:
         lim.release(charge)
       return
     # Whole stored chunks, each at most a piece, decoded by TensorStore.
-    charge = 0 if prepaid else cost.read_charge(slicing.nbytes(box, self.dtype.itemsize),
-                                                self.chunk_bytes)
+    charge = 0 if prepaid else self.read_charge(box)
     lim.acquire(charge)
     try:
       data = self.t[box].read().result()
@@ -443,9 +442,8 @@ def fill_array(src: Source, shape, dtype, sharding, *, strict: bool, name: str,
       if math.prod(shard_shape):
         grid = slicing.chunk_shape(shard_shape, itemsize, piece)
         for box in slicing.boxes(shard_shape, grid, itemsize, piece):
-          glob = slicing.offset(slicing.from_pairs(key), box, shape)
-          inside = tuple(slice(s.start, min(s.stop, n)) for s, n in zip(glob, src.shape))
-          if any(s.stop <= s.start for s in inside):
+          inside = _inside(slicing.offset(slicing.from_pairs(key), box, shape), src.shape)
+          if inside is None:
             continue  # strict=False: beyond the saved array, stays zero.
           with (reserve(slicing.nbytes(inside, src.dtype.itemsize)) if reserve
                 else contextlib.nullcontext()):
