@@ -237,11 +237,27 @@ def local_process_count() -> int:
   return _exchanged_local_count or 1
 
 
+_PAGE_BYTES = os.sysconf('SC_PAGE_SIZE') if hasattr(os, 'sysconf') else 4096
+
+
 def current_rss_bytes() -> int:
-  if psutil is not None:
-    return psutil.Process().memory_info().rss
-  with open('/proc/self/statm') as f:
-    return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+  """This process's resident bytes now.
+
+  Called before every slice a streaming save stages: /proc/self/statm is one
+  small read (~10 us), where `psutil.Process()` parses /proc/self/stat for
+  the process's identity each time it is built (~1-5 ms, 10 s of a 3,000-leaf
+  save).
+  """
+  try:
+    with open('/proc/self/statm', 'rb') as f:
+      return int(f.read().split()[1]) * _PAGE_BYTES
+  except OSError:  # not Linux
+    return _process().memory_info().rss
+
+
+@functools.cache
+def _process():
+  return psutil.Process()
 
 
 def _virtual_memory() -> tuple[int, int]:

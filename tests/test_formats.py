@@ -160,3 +160,45 @@ def test_a_budget_that_works_works_when_larger(saved, table):
       continue
     first = ok.index(True)
     assert all(ok[first:]), (fmt, ok)
+
+
+def _opened(directory: pathlib.Path, name: str):
+  from kd_ckpt import storage  # pylint: disable=g-import-not-at-top
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+
+  for driver in ('zarr', 'zarr3'):
+    for kvstore in ({'driver': 'ocdbt', 'base': storage.kvstore_spec(directory), 'path': name},
+                    storage.kvstore_spec(directory / name)):
+      try:
+        return ts.open({'driver': driver, 'kvstore': kvstore}, open=True, read=True).result()
+      except ValueError:
+        continue
+  raise AssertionError(f'cannot open {name} in {directory}')
+
+
+@pytest.mark.parametrize('fmt', FORMATS)
+def test_a_leaf_priced_unopened_costs_no_more_than_its_price(saved, tmp_path, fmt):
+  """Small leaves are priced from the restore args, without opening them:
+  that price is at least what pricing the opened leaf gives, on every format,
+  with casts to a narrower dtype and edge chunks (prime extents, 1 MiB chunks)."""
+  from kd_ckpt import reading  # pylint: disable=g-import-not-at-top
+
+  root, abstract, _ = saved
+  mesh = Mesh(np.array(jax.devices()), ('x',))
+  checked = 0
+  for name, target in abstract.items():
+    if not isinstance(target, jax.ShapeDtypeStruct):
+      continue
+    t = _opened(root / fmt, name)
+    for dtype in {np.dtype(target.dtype), np.dtype(np.float16)}:
+      for sharding in (target.sharding, NamedSharding(mesh, P())):
+        if len(target.shape) and not target.shape[0] % 8:
+          sharding = NamedSharding(mesh, P('x'))
+        shape = tuple(target.shape)
+        exact = reading._stock_charge(t, shape, dtype, sharding)
+        bound = reading._stock_charge_bound(shape, dtype, sharding, True)
+        assert exact <= bound, (fmt, name, dtype, sharding, exact, bound)
+        checked += 1
+    assert reading._stock_charge_bound(tuple(target.shape), np.dtype(target.dtype),
+                                       target.sharding, strict=False) is None
+  assert checked >= 16
