@@ -132,6 +132,13 @@ class KdArrayHandler(ocp.type_handlers.ArrayHandler):
                use_replica_parallel: bool = True, **kwargs):
     kwargs.setdefault('array_metadata_store', compat.orbax.array_metadata_store())
     super().__init__(use_replica_parallel=use_replica_parallel, **kwargs)
+    # Orbax's own reader of small leaves, called once per batch of them.
+    # Without the array metadata store: with it, every call re-reads the
+    # store's file, which lists every leaf (quadratic: 7.8 s instead of 4.3
+    # for 3,000 leaves at 100 MiB).  `reading` wraps random keys once.
+    self._stock = ocp.type_handlers.ArrayHandler(
+        use_replica_parallel=use_replica_parallel,
+        **{**kwargs, 'array_metadata_store': None})
     self._save_ctx = save or SaveContext.for_budget(DEFAULT_BUDGET_BYTES)
     self._read_ctx = read or read_context_for(
         cost.limiter_capacity(DEFAULT_BUDGET_BYTES))
@@ -180,7 +187,7 @@ class KdArrayHandler(ocp.type_handlers.ArrayHandler):
   async def deserialize(self, infos, args=None):
     # Leaves small enough are read by Orbax's own reader (`reading`).
     return await reading.read_arrays(self, infos, args, self._read_ctx,
-                                     stock_read=super().deserialize)
+                                     stock_read=self._stock.deserialize)
 
 
 def refuse_zero_size(values, infos, fix: str) -> None:

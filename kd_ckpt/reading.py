@@ -828,8 +828,8 @@ def _with_context(info, context: ts.Context):
 async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -> list[jax.Array]:
   """`ArrayHandler.deserialize`, bounded: Orbax's semantics, kd_ckpt's memory.
 
-  A leaf that Orbax's own reader (`stock_read`, the handler's
-  `ArrayHandler.deserialize`) reads for less than one of our pieces costs is
+  A leaf that Orbax's own reader (`stock_read`, an `ArrayHandler.deserialize`
+  without an array metadata store) reads for less than one of our pieces costs is
   read by it: it is Orbax's behaviour exactly, and its reads run
   concurrently.  Such leaves go in batches whose summed charge
   (`_stock_charge`) the limiter holds while Orbax reads them.  Every other
@@ -928,13 +928,15 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
           small, ctx.pieces_capacity_bytes // STOCK_BATCHES_IN_FLIGHT)])
       filled = await asyncio.to_thread(fill_all, leaves) if rest else []
       del leaves
-  store = compat.handler_option(handler, 'array_metadata_store')
-  if store is not None and rest:
-    metadatas = await store.read(checkpoint_dir=parent)
-    if metadatas:
-      filled = compat.orbax.wrap_random_key_data(metadatas, [infos[i] for i in rest], filled)
   for i, arr in zip(rest, filled):
     out[i] = arr
+  # Random keys are stored as their key data: wrapped again here, for every
+  # leaf (`stock_read` reads without the store), with one read of the store.
+  store = compat.handler_option(handler, 'array_metadata_store')
+  if store is not None:
+    metadatas = await store.read(checkpoint_dir=parent)
+    if metadatas:
+      out = compat.orbax.wrap_random_key_data(metadatas, infos, out)
   return out
 
 
