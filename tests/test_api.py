@@ -166,3 +166,29 @@ def test_plan_json_and_table():
   assert d['total_bytes'] == 256 * 128 * 4 + 32 and d['num_leaves'] == 2
   assert d['budget_bytes'] == 64 * MiB and d['strategy'] == plan.strategy
   assert 'candidate' in str(plan) and 'streaming' in str(plan)
+
+
+def test_a_restore_of_many_small_leaves_reads_the_array_metadata_once(tmp_path, monkeypatch):
+  """Small leaves go to Orbax's reader in batches; the array metadata store's
+  file lists every leaf, so reading it per batch made restores quadratic.
+  Random keys among them still come back as keys."""
+  from kd_ckpt import compat, reading  # pylint: disable=g-import-not-at-top
+
+  tree = {f'l{i:03d}': jnp.full((64,), i, jnp.float32) for i in range(300)}
+  tree['key'] = jax.random.key(7)
+  kd_ckpt.save(tmp_path / 'c', tree, host_ram_budget='128MiB')
+  monkeypatch.setattr(reading, 'STOCK_BATCHES_IN_FLIGHT', 40)  # many small batches
+  store = type(compat.orbax.array_metadata_store())
+  real, reads = store.read, []
+
+  async def counted(self, *args, **kwargs):
+    reads.append(1)
+    return await real(self, *args, **kwargs)
+
+  monkeypatch.setattr(store, 'read', counted)
+  back = kd_ckpt.restore(tmp_path / 'c', jax.eval_shape(lambda: tree), host_ram_budget='128MiB')
+  assert len(reads) == 1, len(reads)
+  assert jax.dtypes.issubdtype(back['key'].dtype, jax.dtypes.prng_key)
+  np.testing.assert_array_equal(jax.random.key_data(back['key']), jax.random.key_data(tree['key']))
+  for i in range(300):
+    np.testing.assert_array_equal(np.asarray(back[f'l{i:03d}']), np.full((64,), i, np.float32))
