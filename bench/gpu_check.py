@@ -206,8 +206,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     row['restore_extra_bytes'] = p.extra_bytes
     # Restored arrays live in host RAM only on the CPU backend.
     row['restored_bytes'] = (
-        int(sum(s.data.nbytes for x in jax.tree.leaves(restored)
-                for s in x.addressable_shards))
+        int(sum({s.data.unsafe_buffer_pointer(): s.data.nbytes  # shared buffers once
+                 for x in jax.tree.leaves(restored) for s in x.addressable_shards}.values()))
         if jax.default_backend() == 'cpu' else 0)
     fp_after = fingerprint(jax, restored)
     ok = len(fp_before) == len(fp_after) and all(

@@ -213,8 +213,10 @@ def logical_bytes(tree) -> int:
 def resident_bytes(tree) -> int:
   """Bytes the arrays hold on all local devices (host RAM on CPU)."""
   jax = _jax()
-  return int(sum(s.data.nbytes for x in jax.tree.leaves(tree)
-                 for s in x.addressable_shards))
+  # Counted once per buffer: on the CPU backend replicas restored from one
+  # aligned host buffer share it.
+  return int(sum({s.data.unsafe_buffer_pointer(): s.data.nbytes for x in jax.tree.leaves(tree)
+                  for s in x.addressable_shards}.values()))
 
 
 def abstract(tree):

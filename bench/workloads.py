@@ -522,8 +522,8 @@ def mp_process(spec: dict[str, Any]) -> dict[str, Any]:
     out['restore_seconds'] = time.perf_counter() - t0
   out['restore_extra_bytes'] = p.extra_bytes
   out['restore_retained_bytes'] = p.retained_bytes
-  out['restored_bytes'] = int(sum(s.data.nbytes for x in back.values()
-                                  for s in x.addressable_shards))
+  out['restored_bytes'] = int(sum({s.data.unsafe_buffer_pointer(): s.data.nbytes  # shared once
+                                   for x in back.values() for s in x.addressable_shards}.values()))
   ok = True
   for k, (shape, _, seed) in leaves.items():
     for s in back[k].addressable_shards:

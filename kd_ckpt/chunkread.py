@@ -429,7 +429,7 @@ class StoredArray:
     most = max(limit // 4, _MIN_READ) // s * s  # bytes per read, in flight
     level = _level([b - a for a, b in zip(lo, hi)], s, limit)
     for plo, phi in _split(lo, hi, *level):
-      piece = np.empty([b - a for a, b in zip(plo, phi)], self._stored)
+      piece = hostmem.empty_aligned([b - a for a, b in zip(plo, phi)], self._stored)
       flat = piece.reshape(-1).view(np.uint8)
       # Read box: the piece, widened to whole rows where that merges reads
       # without reading more than twice the bytes (or rows <= _SMALL_ROW).
@@ -507,8 +507,8 @@ class StoredArray:
       try:
         while cur.pos < start:  # decompress and drop the bytes before the slab
           cur.pos += self._fill_from(cur.reader, skip[:min(len(skip), start - cur.pos)])
-        slab = np.empty((1,) * k + (phi[k] - plo[k],) + tuple(c[k + 1:]),
-                        self._stored)
+        slab = hostmem.empty_aligned((1,) * k + (phi[k] - plo[k],) + tuple(c[k + 1:]),
+                                     self._stored)
         cur.pos += self._fill_from(cur.reader, slab.reshape(-1).view(np.uint8))
       except BaseException:
         # Its position is unknown now: never resume it.

@@ -350,7 +350,9 @@ def _placement(shape, dtype, itemsize, chunk, sharding, piece_bytes):
   """(groups, plan): shard box -> devices, and which shards are filled in place.
 
   plan is an `_InPlace` for the whole leaf (every shard at once), or a dict
-  from shard box to an `_InPlace` (None: assembled on the host).
+  from shard box to an `_InPlace` (None: assembled on the host).  When the
+  budget holds whole shards of a plain sharding, `fill_array` reads them
+  whole instead, several at once (`_fill_by_shard`).
 
     * A shard of up to two pieces (one, when pieces are at least
       `IN_PLACE_MIN_PIECE_BYTES`), or of another memory kind (`pinned_host`)
@@ -395,6 +397,8 @@ def _placement(shape, dtype, itemsize, chunk, sharding, piece_bytes):
 
 
 def _programs(shape, dtype, itemsize, chunk, sharding, piece_bytes) -> set:
+  """The placement programs a leaf may compile (a leaf read by shard compiles
+  none: admitted anyway, as `fill_array` decides that once its source is open)."""
   _, plan = _placement(shape, dtype, itemsize, chunk, sharding, piece_bytes)
   plans = [plan] if isinstance(plan, _InPlace) else [p for p in plan.values() if p]
   return set().union(*(p.programs for p in plans))
@@ -425,9 +429,12 @@ def fill_array(src: Source, shape, dtype, sharding, *, strict: bool, name: str,
   piece = src.ctx.piece_bytes
   groups, plan = _placement(shape, dtype, itemsize, src.chunk, sharding, piece)
   sharding, layout = _split_format(sharding)
+  memory_kind = getattr(sharding, 'memory_kind', None)
+  plain = layout is None and memory_kind in (None, 'device')
+  if plain and (tasks := _by_shard_tasks(src, shape, dtype, groups)):
+    return _fill_by_shard(src, shape, dtype, sharding, groups, tasks, reserve, max_lanes)
   if isinstance(plan, _InPlace):
     return _fill_in_place(src, shape, plan, groups, reserve, max_lanes)
-  memory_kind = getattr(sharding, 'memory_kind', None)
   shards = {}
   for key, devices in groups.items():
     if plan[key] is not None:
@@ -524,7 +531,73 @@ def _fill_in_place(src: Source, shape, plan: _InPlace, groups, reserve,
   finally:
     for lane in lanes[1:]:
       lane.close()
+  # Compiled now (a leaf read by shard compiles none: `_admit_programs`
+  # admits them anyway, and they stay uncounted as compiled).
+  _COMPILED.update(plan.programs)
   return buf
+
+
+def _by_shard_tasks(src: Source, shape, dtype, groups) -> list[tuple] | None:
+  """(box, part inside the saved array, charge) per shard, if the budget
+  holds whole shards; else None.
+
+  A whole-shard read holds its host shard, its read and its device copies
+  (host RAM on the CPU backend) until they are placed.  Each may take half
+  of the pieces' room, so that one runs ahead of the placement of another.
+  """
+  room = src.ctx.pieces_capacity_bytes // 2
+  out = []
+  for key, devices in groups.items():
+    glob = slicing.from_pairs(key)
+    inside = _inside(glob, src.shape)
+    nbytes = slicing.nbytes(glob, dtype.itemsize)
+    charge = len(devices) * nbytes  # its device copies
+    if inside is None or inside != glob or not src.one_piece(inside) or src.dtype != dtype:
+      charge += nbytes  # the host shard the read is assembled in
+    if inside is not None:
+      charge += src.read_charge(inside)
+    if charge > room:
+      return None
+    out.append((glob, inside, charge))
+  return out
+
+
+def _fill_by_shard(src: Source, shape, dtype, sharding, groups, tasks, reserve,
+                   max_lanes: int | None = None) -> jax.Array:
+  """Every shard read whole into one host buffer and put on its devices.
+
+  Reads run ahead in worker threads (`readahead`), each admitted with its
+  charge (`_by_shard_tasks`).  Nothing is compiled, no zeros or update pass
+  is paid, and a bigger budget has more shards read at once.  The host
+  buffers are aligned (`hostmem.empty_aligned`): on the CPU backend the
+  device arrays share them, as Orbax's restore does.
+  """
+  lim = src.ctx.limiter
+  keys = list(groups)
+  lanes = _lanes(src, keys, shape, MAX_READ_LANES if max_lanes is None else max_lanes)
+  work = []
+  for j, (glob, inside, charge) in enumerate(tasks):
+    work.append(readahead.Task(j % len(lanes), charge, functools.partial(
+        _read_host, lanes[j % len(lanes)], glob, inside, dtype, reserve)))
+  shards = {}
+  try:
+    with readahead.ReadAhead(lim, work) as ahead:
+      for j, key in enumerate(keys):
+        host, charge = ahead.take(j)
+        try:
+          for d in groups[key]:
+            shards[d] = jax.device_put(host, d)
+          jax.block_until_ready([shards[d] for d in groups[key]])
+        finally:
+          del host  # placed: the restored array's now, outside the budget
+          lim.release(charge)
+        if j % TRIM_EVERY_TASKS == TRIM_EVERY_TASKS - 1:
+          hostmem.release_free_memory()
+  finally:
+    for lane in lanes[1:]:
+      lane.close()
+  arrays = [shards[d] for d in sharding.addressable_devices_indices_map(tuple(shape))]
+  return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
 
 
 def _inside(glob: slicing.Box, stored_shape) -> slicing.Box | None:
@@ -599,7 +672,7 @@ def _read_host(src: Source, glob: slicing.Box, inside: slicing.Box | None, dtype
   """
   shape = tuple(s.stop - s.start for s in glob)
   if inside is None:  # strict=False: beyond the saved array, zeros
-    return np.zeros(shape, dtype)
+    return hostmem.zeros_aligned(shape, dtype)
   out = None
   with (reserve(slicing.nbytes(inside, src.dtype.itemsize)) if reserve
         else contextlib.nullcontext()):
@@ -607,8 +680,9 @@ def _read_host(src: Source, glob: slicing.Box, inside: slicing.Box | None, dtype
       if out is None and tuple(data.shape) == shape and data.dtype == dtype:
         out = data  # the one piece, covering all of `glob`
         continue
-      if out is None:
-        out = np.zeros(shape, dtype)
+      if out is None:  # zeros only where the saved array ends (strict=False)
+        out = (hostmem.empty_aligned(shape, dtype) if inside == glob
+               else hostmem.zeros_aligned(shape, dtype))
       out[tuple(slice(a.start - b.start, a.stop - b.start) for a, b in zip(sub, glob))] = data
       del data
   return out
@@ -649,7 +723,7 @@ class _HostShard:
     if self.host is None:
       self.staging = math.prod(self.shape) * self.dtype.itemsize
       self.lim.acquire(self.staging)
-      self.host = np.zeros(self.shape, self.dtype)
+      self.host = hostmem.zeros_aligned(self.shape, self.dtype)
 
   def place(self, data: np.ndarray, sub: slicing.Box) -> None:
     if self.whole_piece and tuple(data.shape) == tuple(self.shape):
@@ -883,7 +957,6 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
               src, shape, dtype, sharding, strict=getattr(arg, 'strict', True),
               max_lanes=lanes,
               name=info.name, reserve=_orbax_reservation(info.byte_limiter, loop, ctx.capacity_bytes)))
-      _COMPILED.update(programs)
     return out
 
   out = [None] * len(infos)

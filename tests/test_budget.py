@@ -84,14 +84,16 @@ def test_restore_holds_the_budget(tmp_path, state, saved_by):
 
 @pytest.mark.slow
 @pytest.mark.parametrize('state,budget', [
-    ('prime', 96 * MiB), ('prime', 128 * MiB), ('mesh2d_prime', 128 * MiB)])
+    ('prime', 96 * MiB), ('prime', 128 * MiB), ('mesh2d_prime', 128 * MiB),
+    ('prime', 512 * MiB), ('mesh2d_prime', 512 * MiB)])
 def test_parallel_reads_of_stock_shards_hold_the_budget(tmp_path, state, budget):
   """Shards bigger than a piece are read by several lanes at once (`readahead`).
 
-  Stock Orbax stores one zstd chunk per shard (8 of ~32 MiB here): at these
-  budgets each is filled in place, its pieces decoded in worker threads
-  while the consumer places the last ones, and every read's buffers are
-  admitted before they exist.
+  Stock Orbax stores one zstd chunk per shard (8 of ~32 MiB here): at 96-128
+  MiB each is filled in place, its pieces decoded in worker threads while
+  the consumer places the last ones; at 512 MiB shards are read whole
+  (`reading._fill_by_shard`).  Every read's buffers are admitted before they
+  exist.
   """
   d = str(tmp_path / 'c')
   states.run_worker('stock', d, state, str(STATE_BYTES))

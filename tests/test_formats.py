@@ -118,13 +118,15 @@ def table():
 
 def _restored_bytes(tree) -> int:
   """What the restored arrays themselves occupy in host memory (CPU backend)."""
-  total = 0
+  total, buffers = 0, {}
   for leaf in jax.tree.leaves(tree):
     if isinstance(leaf, jax.Array):
-      total += sum(s.data.nbytes for s in leaf.addressable_shards)
+      # Once per buffer: replicas restored from one host buffer share it.
+      buffers.update({s.data.unsafe_buffer_pointer(): s.data.nbytes
+                      for s in leaf.addressable_shards})
     else:
       total += np.asarray(leaf).nbytes
-  return total
+  return total + sum(buffers.values())
 
 
 @pytest.mark.parametrize('budget', BUDGETS, ids=[f'{b // MiB}MiB' for b in BUDGETS])
@@ -202,3 +204,34 @@ def test_a_leaf_priced_unopened_costs_no_more_than_its_price(saved, tmp_path, fm
     assert reading._stock_charge_bound(tuple(target.shape), np.dtype(target.dtype),
                                        target.sharding, strict=False) is None
   assert checked >= 16
+
+
+def test_a_budget_that_holds_whole_shards_reads_them_whole(tmp_path, monkeypatch):
+  """Stock shards bigger than a piece: filled in place at a small budget,
+  read whole (nothing compiled, no zeros or update pass) at a big one; both
+  bit-exact, with a cast and a replicated leaf too."""
+  from kd_ckpt import reading  # pylint: disable=g-import-not-at-top
+
+  mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('a', 'b'))
+  rng = np.random.default_rng(5)
+  startup.start_compiler()  # as in a training process
+  # Shards of 16.5 MiB: over two 8 MiB pieces at 64 MiB, so filled in place.
+  tree = {'w': jax.device_put(rng.standard_normal((4 * 2053, 2 * 2053), np.float32),
+                              NamedSharding(mesh, P('a', 'b'))),
+          'r': jax.device_put(rng.standard_normal((1031, 1033), np.float32),
+                              NamedSharding(mesh, P()))}
+  with ocp.StandardCheckpointer() as c:
+    c.save(tmp_path / 'c', tree)
+  target = jax.eval_shape(lambda: tree)
+  target['r'] = jax.ShapeDtypeStruct((1031, 1033), jnp.bfloat16, sharding=tree['r'].sharding)
+  calls = []
+  real = reading._fill_by_shard
+  monkeypatch.setattr(reading, '_fill_by_shard', lambda *a, **k: calls.append(1) or real(*a, **k))
+  for budget, whole in (('64MiB', False), ('1GiB', True)):
+    calls.clear()
+    back = kd_ckpt.restore(tmp_path / 'c', target, host_ram_budget=budget)
+    assert bool(calls) == whole, (budget, calls)
+    assert np.asarray(back['w']).tobytes() == np.asarray(tree['w']).tobytes()
+    np.testing.assert_array_equal(np.asarray(back['r']),
+                                  np.asarray(tree['r']).astype(jnp.bfloat16))
+    assert back['w'].sharding == tree['w'].sharding and back['r'].dtype == jnp.bfloat16
