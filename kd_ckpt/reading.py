@@ -957,6 +957,11 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
               src, shape, dtype, sharding, strict=getattr(arg, 'strict', True),
               max_lanes=lanes,
               name=info.name, reserve=_orbax_reservation(info.byte_limiter, loop, ctx.capacity_bytes)))
+        # Pieces below the mmap threshold are freed into glibc's arenas (one
+        # per reader thread), between the restored arrays: trimmed after each
+        # leaf, or they add up over the leaves (the Gemma-like state at 256
+        # MiB peaked 190-275 MiB beyond its arrays, 27 MiB with this).
+        hostmem.release_free_memory()
     return out
 
   out = [None] * len(infos)
@@ -1033,6 +1038,7 @@ async def read_numpy(handler, infos, args, ctx: ReadContext) -> list[np.ndarray]
           for sub, data in src.pieces(box):
             result[sub] = data
       out.append(result)
+      hostmem.release_free_memory()  # as `read_arrays` does after each leaf
     return out
 
   with ctx.limiter.lease(ctx.capacity_bytes, mmap_threshold_bytes=hostmem.read_mmap_threshold(

@@ -87,6 +87,7 @@ def unseen(name: str, total_bytes: int):
   mesh2d_prime: a 4x2 mesh, prime extents per shard on both axes
   many_small:   2,000 small leaves of mixed dtypes (plus one big one)
   mixed_dtypes: bf16 / int8 / f32 / bool leaves on several layouts
+  many_medium:  64 leaves of 1-6 MiB on four layouts (Gemma-like)
   """
   m1, m2 = meshes()
   if name == 'prime':
@@ -111,6 +112,18 @@ def unseen(name: str, total_bytes: int):
             for i in range(2000)}
     rest = max(0, total_bytes - 2000 * 127 * 31 * 3)
     tree['big'] = filled((max(8, rest // 4 // 1024 // 8 * 8), 1024), NS(m1, P('x')))
+    return tree
+  if name == 'many_medium':
+    # Gemma-like: 64 leaves of 1-6 MiB (bf16 and f32), sharded, replicated
+    # and on a 2-D mesh, restored one after another (issue 20's gb bench).
+    shs = [NS(m1, P('x')), NS(m1, P()), NS(m2, P('a', 'b')), NS(m1, P(None, 'x'))]
+    tree = {}
+    for i in range(64):
+      dt = jnp.bfloat16 if i % 3 else jnp.float32
+      cols = 1024 + 8 * (i % 5)
+      rows = max(8, int(total_bytes / 64 * (0.25 + 1.5 * (i % 4) / 3)) // cols
+                 // jnp.dtype(dt).itemsize // 8 * 8)
+      tree[f'm{i:02d}'] = filled((rows, cols), shs[i % 4], dt, i)
     return tree
   if name == 'wide_mesh2d':
     # Issue 18's case scaled: rows:cols 3:2 on a 4x2 mesh (24576x16384 at 1.5 GiB).
@@ -137,6 +150,8 @@ def _prime_below(n: int) -> int:
 
 UNSEEN = ('prime', 'prime_rep', 'mesh2d_prime', 'many_small', 'mixed_dtypes')
 OTHER = ('wide_mesh2d',)
+# Only the restore budget test's (a GCS run of it adds nothing new).
+RESTORE_ONLY = ('many_medium',)
 
 
 def host_made(total_bytes: int):
@@ -162,7 +177,7 @@ def host_made(total_bytes: int):
 def make_state(name: str, total_bytes: int):
   if name == 'one_replicated':
     return one_replicated(total_bytes)
-  if name in UNSEEN + OTHER:
+  if name in UNSEEN + OTHER + RESTORE_ONLY:
     return unseen(name, total_bytes)
   return layout(name, total_bytes)
 

@@ -65,7 +65,7 @@ def test_async_safe_checkpointer_report_covers_the_whole_save(tmp_path, state):
 @pytest.mark.slow
 @pytest.mark.parametrize('state,saved_by', [
     ('prime', 'streaming'), ('mesh2d_prime', 'auto'), ('many_small', 'streaming'),
-    ('prime_rep', 'stock')])
+    ('prime_rep', 'stock'), ('many_medium', 'streaming'), ('many_medium', 'stock')])
 def test_restore_holds_the_budget(tmp_path, state, saved_by):
   # 2,000 leaves' bookkeeping alone is 47 MiB (cost.PER_LEAF_BYTES).
   budget = 96 * MiB if state == 'many_small' else 48 * MiB
