@@ -973,7 +973,7 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
       small = {}
       if stock_read is not None:
         # A leaf priced from its restore args alone is not opened here: at
-        # 10,000 leaves the opens were a fifth of the restore.
+        # 3,000 leaves the opens were a seventh of the restore (py-spy).
         for i in range(len(infos)):
           if (c := _stock_charge_bound(*spec_of(i), getattr(args[i], 'strict', True))) is not None \
               and c <= ctx.piece_bytes:
