@@ -485,13 +485,7 @@ def _fill_in_place(src: Source, shape, plan: _InPlace, groups, reserve,
       lane = lanes[j % len(lanes)]
       glob = slicing.offset(slicing.from_pairs(key), rel, shape)
       inside = _inside(glob, src.shape)
-      charge = len(groups[key]) * piece_nbytes  # its device copies
-      if inside is not None:
-        charge += lane.read_charge(inside)
-        if inside != glob or not lane.one_piece(inside) or src.dtype != dtype:
-          charge += piece_nbytes  # the host piece the read is assembled in
-      else:
-        charge += piece_nbytes
+      charge = _read_task_charge(lane, glob, inside, dtype, len(groups[key]))
       tasks.append(readahead.Task(j % len(lanes), charge, functools.partial(
           _read_host, lane, glob, inside, dtype, reserve)))
   buf = _zeros(plan.shape, dtype, plan.sharding)()
@@ -537,6 +531,21 @@ def _fill_in_place(src: Source, shape, plan: _InPlace, groups, reserve,
   return buf
 
 
+def _read_task_charge(lane: Source, glob: slicing.Box, inside, dtype, copies: int) -> int:
+  """What one `_read_host` of `glob` holds until placed on `copies` devices.
+
+  Its device copies (host RAM on the CPU backend), its read (prepaid), and
+  the host buffer it is assembled in unless one stored piece is it.
+  """
+  nbytes = slicing.nbytes(glob, dtype.itemsize)
+  charge = copies * nbytes
+  if inside is None or inside != glob or not lane.one_piece(inside) or lane.dtype != dtype:
+    charge += nbytes
+  if inside is not None:
+    charge += lane.read_charge(inside)
+  return charge
+
+
 def _by_shard_tasks(src: Source, shape, dtype, groups) -> list[tuple] | None:
   """(box, part inside the saved array, charge) per shard, if the budget
   holds whole shards; else None.
@@ -550,12 +559,7 @@ def _by_shard_tasks(src: Source, shape, dtype, groups) -> list[tuple] | None:
   for key, devices in groups.items():
     glob = slicing.from_pairs(key)
     inside = _inside(glob, src.shape)
-    nbytes = slicing.nbytes(glob, dtype.itemsize)
-    charge = len(devices) * nbytes  # its device copies
-    if inside is None or inside != glob or not src.one_piece(inside) or src.dtype != dtype:
-      charge += nbytes  # the host shard the read is assembled in
-    if inside is not None:
-      charge += src.read_charge(inside)
+    charge = _read_task_charge(src, glob, inside, dtype, len(devices))
     if charge > room:
       return None
     out.append((glob, inside, charge))
