@@ -80,9 +80,6 @@ TARGET_SLICES_PER_GROUP = 2
 # shards are prime on both axes (1-row chunks, two shards' keys interleaved
 # in one OCDBT B-tree), and 1.3x the budget on gs:// (upload buffers).
 RSS_HEADROOM_BYTES = 12 * MiB
-# TensorStore's retries of a failed bucket request in kd_ckpt's own writes:
-# 0.5+1+2+4+8+8+8+8 s, so an outage fails the save in about 40 s.
-REMOTE_RETRIES = {'max_retries': 8, 'initial_delay': '0.5s', 'max_delay': '8s'}
 # Orbax's 100 MB B-tree node cache is for reads; a streaming save reads
 # nothing back (measured +60 MiB over a 1 GB save with the default).
 WRITE_NODE_CACHE_BYTES = 8 * 10**6

@@ -179,6 +179,13 @@ class MeasuredSave:
           'kd_ckpt: the save of %s failed on process %d; its unfinished directory'
           ' is left for the next save of it to remove (other processes may still'
           ' be writing there).', self.label, jax.process_index())
+    elif not storage.answers(self.directory):
+      # A bucket that is down: each request of the removal would be retried
+      # for half a minute before failing anyway.
+      logging.warning(
+          'kd_ckpt: the save of %s failed and its storage does not answer; the'
+          ' unfinished save is left for the next save of this directory to'
+          ' remove (it is never taken as a checkpoint).', self.label)
     else:
       try:
         storage.remove_unfinished(self.directory)

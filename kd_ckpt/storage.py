@@ -43,6 +43,7 @@ import uuid
 from typing import Callable, Iterator
 
 from etils import epath
+import tensorstore as ts
 
 from kd_ckpt import text
 
@@ -87,6 +88,37 @@ class DiskFullError(OSError):
 # --- URLs ------------------------------------------------------------------------
 
 
+# A bucket request that fails is retried 0.5+1+2+4+8+8+8+8 s apart, so an
+# outage fails the save in about 40 s per request in flight (TensorStore's
+# default, 32 retries up to 32 s apart, stalls a training loop for a quarter
+# of an hour before the save fails).  KD_CKPT_BUCKET_RETRIES changes the count.
+BUCKET_RETRIES = 8
+BUCKET_RETRIES_ENV = 'KD_CKPT_BUCKET_RETRIES'
+
+
+def bucket_retries() -> dict:
+  """TensorStore's `gcs_request_retries` for kd_ckpt's own bucket writes.
+
+  `KD_CKPT_BUCKET_RETRIES=N` retries a failed request N times (0: fail at
+  once): more rides out longer outages, fewer fails sooner.
+
+  >>> bucket_retries()['max_retries']
+  8
+  """
+  value = os.environ.get(BUCKET_RETRIES_ENV, '').strip()
+  retries = BUCKET_RETRIES
+  if value:
+    try:
+      retries = int(value)
+    except ValueError:
+      retries = -1
+    if retries < 0:
+      raise ValueError(
+          f'{BUCKET_RETRIES_ENV}={value!r} is not a count of retries: set it to a whole'
+          f' number >= 0 (the default is {BUCKET_RETRIES}), or unset it.')
+  return {'max_retries': retries, 'initial_delay': '0.5s', 'max_delay': '8s'}
+
+
 def scheme(path) -> str | None:
   """'gs' for `gs://b/x`, None for a local path."""
   m = _SCHEME.match(os.fspath(path))
@@ -98,8 +130,11 @@ def is_remote(path) -> bool:
 
 
 def check_supported(path) -> None:
-  """Raises UnsupportedStorageError for a URL stock Orbax cannot write; writes nothing."""
+  """Raises UnsupportedStorageError for a URL stock Orbax cannot write, or
+  ValueError for a bad `KD_CKPT_BUCKET_RETRIES` with a bucket; writes nothing."""
   s = scheme(path)
+  if s in SUPPORTED_SCHEMES:
+    bucket_retries()
   if s is None or s in SUPPORTED_SCHEMES:
     return
   raise UnsupportedStorageError(
@@ -128,6 +163,24 @@ def is_unfinished(path) -> bool:
   if not p.exists():
     return False
   return not ((p / COMMIT_FILE).exists() or (p.parent / COMMIT_FILE).exists())
+
+
+def answers(path) -> bool:
+  """Whether the storage of `path` answers one request now, without retrying.
+
+  Local storage always does.  A bucket is asked once for `path`'s commit
+  file (found or not, it answered): a cleanup after an outage would
+  otherwise retry each request for half a minute (gcsfs's backoff).
+  """
+  if not is_remote(path):
+    return True
+  try:
+    kv = ts.KvStore.open(kvstore_spec(path), context=ts.Context(
+        {'gcs_request_retries': {'max_retries': 0}})).result()
+    kv.read(COMMIT_FILE).result()
+  except Exception:  # pylint: disable=broad-exception-caught
+    return False
+  return True
 
 
 def remove_unfinished(directory) -> list[str]:

@@ -91,16 +91,15 @@ def write_context(*, remote: bool = False) -> ts.Context:
 
   The node cache is small: a save reads nothing back, and each commit leaves
   new node versions in it (Orbax's 100 MB default grew +60 MiB over 1 GB).
-  On a bucket, requests retry for about a minute at most (TensorStore's
-  default retries 32 times up to 32 s apart: a quarter of an hour of a
-  training loop stalled on an outage before the save fails).
+  On a bucket, a failed request is retried for about 40 s at most
+  (`storage.bucket_retries`).
   """
   spec = {
       'file_io_concurrency': {'limit': 128},
       'cache_pool#ocdbt': {'total_bytes_limit': cost.WRITE_NODE_CACHE_BYTES},
   }
   if remote:
-    spec['gcs_request_retries'] = dict(cost.REMOTE_RETRIES)
+    spec['gcs_request_retries'] = storage.bucket_retries()
   return ts.Context(spec)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import pathlib
 import signal
 import subprocess
@@ -218,6 +219,17 @@ def test_unsupported_urls_are_refused_before_anything_is_written(tmp_path, monke
   assert list(tmp_path.iterdir()) == []  # no stray `s3:` folder
 
 
+@pytest.mark.parametrize('value', ['-1', 'many', '2.5'])
+def test_a_bad_retry_count_is_refused_before_anything_is_written(
+    server, bucket, monkeypatch, value):
+  monkeypatch.setenv(storage.BUCKET_RETRIES_ENV, value)
+  with pytest.raises(ValueError, match=f"KD_CKPT_BUCKET_RETRIES='{re.escape(value)}'.*>= 0"):
+    kd_ckpt.save(f'{bucket}/refused', {'a': np.ones(3)}, strategy='streaming')
+  assert not epath.Path(f'{bucket}/refused').exists()
+  monkeypatch.setenv(storage.BUCKET_RETRIES_ENV, ' 3 ')
+  assert storage.bucket_retries()['max_retries'] == 3
+
+
 def test_an_unfinished_gcs_save_is_never_a_checkpoint(server, bucket):
   """gs:// has no rename: Orbax marks the end with commit_success.txt."""
   tree = {'a': np.arange(10.0)}
@@ -348,8 +360,11 @@ def _wait_for_line(proc, word: str, timeout: float) -> list[str]:
 @pytest.mark.slow
 def test_server_killed_mid_save(server, bucket, tmp_path):
   signal_file = tmp_path / 'restarted'
+  # 2 retries (0.5 + 1 s) per request instead of 8 (about 40 s): the same
+  # failure, sooner, and the count reaches TensorStore (its error names it).
+  env = {**_worker_env(), storage.BUCKET_RETRIES_ENV: '2'}
   proc = subprocess.Popen([sys.executable, '-c', FAULT_WORKER, bucket, str(signal_file)],
-                          cwd=REPO, env=_worker_env(), stdout=subprocess.PIPE,
+                          cwd=REPO, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.DEVNULL, text=True)
   try:
     _wait_for_line(proc, 'SAVING', 180)
@@ -373,7 +388,10 @@ def test_server_killed_mid_save(server, bucket, tmp_path):
       server.start()
   print(f'failed {failed_after:.1f} s after the server died: {out["error"][:300]}')
   assert out['error'] is not None and 'doomed' in out['error'], out
-  assert failed_after < 180, failed_after
+  assert 'All 2 retry attempts' in out['error'], out['error']
+  # No removal of the unfinished save is tried against the dead server
+  # (`storage.answers`): gcsfs alone would retry it for ~30 s (2 s measured).
+  assert failed_after < 25, failed_after
   assert out['held_bytes'] == 0, out
   assert out['earlier_intact'] and out['next_save_ok'], out
 
