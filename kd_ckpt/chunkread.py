@@ -238,7 +238,7 @@ class StoredArray:
         f'{name}/zarr.json); pass the checkpoint root OCDBT kvstore and the '
         'leaf name as Orbax stores it, e.g. "params.w".')
 
-  def read_pieces(self, box: Box, max_piece_bytes: int
+  def read_pieces(self, box: Box, max_piece_bytes: int, *, out: np.ndarray | None = None
                   ) -> Iterator[tuple[Box, np.ndarray]]:
     """Yields (sub_box, data) covering `box` exactly once, in any order.
 
@@ -247,15 +247,26 @@ class StoredArray:
     2 L + 12 MiB (see the module docstring), whatever the chunk size, as long
     as the caller drops each piece before asking for the next.
 
+    `out` (the box's shape, this array's dtype): zstd slabs that are a
+    contiguous run of it are decoded straight into it, and not yielded (no
+    piece is allocated, filled and copied); the caller copies the rest.
+
     Args:
       box: one slice (step 1) per dimension, in global coordinates.
       max_piece_bytes: the bound on each piece.
+      out: where the caller assembles `box`, if anywhere.
     """
+    lo, hi = self._bounds(box)
+    if out is not None and (tuple(out.shape) != tuple(b - a for a, b in zip(lo, hi))
+                            or out.dtype != self.dtype):
+      raise ValueError(f'out has shape {out.shape} and dtype {out.dtype}; reading'
+                       f' {box} of array {self.name!r} needs'
+                       f' {tuple(b - a for a, b in zip(lo, hi))} and {self.dtype}.')
     # Freed buffers above the threshold leave RSS at once.
     with hostmem.mmap_large_buffers(hostmem.READ_MMAP_THRESHOLD_BYTES):
-      yield from self._pieces(box, max_piece_bytes)
+      yield from self._pieces(box, max_piece_bytes, out)
 
-  def _pieces(self, box: Box, max_piece_bytes: int
+  def _pieces(self, box: Box, max_piece_bytes: int, out: np.ndarray | None = None
               ) -> Iterator[tuple[Box, np.ndarray]]:
     lo, hi = self._bounds(box)
     limit = max(int(max_piece_bytes), self.dtype.itemsize)
@@ -266,7 +277,10 @@ class StoredArray:
       clo = tuple(max(a, o) - o for a, o in zip(lo, origin))
       chi = tuple(min(b, o + c) - o
                   for b, o, c in zip(hi, origin, self.chunk_shape))
-      for (plo, phi), data in self._chunk(g, clo, chi, limit):
+      into = None if out is None else out[tuple(
+          slice(o + a - b0, o + b - b0) for o, a, b, b0 in zip(origin, clo, chi, lo))
+                                          or ...]  # a 0-d view, not a scalar
+      for (plo, phi), data in self._chunk(g, clo, chi, limit, into):
         yield tuple(slice(o + a, o + b)
                     for o, a, b in zip(origin, plo, phi)), data
         del data
@@ -377,8 +391,13 @@ class StoredArray:
     offset, nbytes = (int(x) for x in index[i])
     return None if offset == _ABSENT else _Blob(key, offset, nbytes)
 
-  def _chunk(self, g, lo, hi, limit: int) -> Iterator[tuple[Bounds, np.ndarray]]:
-    """Pieces of chunk `g` over chunk-local [lo, hi), in user axis order."""
+  def _chunk(self, g, lo, hi, limit: int, into: np.ndarray | None = None
+             ) -> Iterator[tuple[Bounds, np.ndarray]]:
+    """Pieces of chunk `g` over chunk-local [lo, hi), in user axis order.
+
+    `into`: [lo, hi) of the caller's buffer; slabs decoded into it directly
+    are not yielded.
+    """
     blob, value = self._locate(g), None
     small = self.chunk_nbytes <= max(limit // 4, self._stored.itemsize)
     if blob is not None and (small or (blob.size is None and blob.key not in self._present)):
@@ -409,7 +428,8 @@ class StoredArray:
       pieces = iter([((slo, shi), whole[(*map(slice, slo, shi), ...)])])
       del value, whole
     elif self.compressed:
-      pieces = self._zstd(blob, slo, shi, limit)
+      direct = into is not None and not f and self._stored == self.dtype
+      pieces = self._zstd(blob, slo, shi, limit, into if direct else None)
     else:
       pieces = self._raw(blob, slo, shi, limit)
     for (plo, phi), view in pieces:
@@ -491,32 +511,44 @@ class StoredArray:
       del value
     pending.clear()
 
-  def _zstd(self, blob: _Blob, lo, hi, limit: int):
-    """Pieces of a zstd chunk, stream-decompressed from its start."""
+  def _zstd(self, blob: _Blob, lo, hi, limit: int, into: np.ndarray | None = None):
+    """Pieces of a zstd chunk, stream-decompressed from its start.
+
+    `into` (C order, [lo, hi) of the caller's buffer): a slab of whole rows
+    that is a contiguous run of it is decoded there, and not yielded.
+    """
     c, n, s = self._storage_shape, len(lo), self._stored.itemsize
     stride = [s * math.prod(c[j + 1:]) for j in range(n)]
     k, q = _level(c, s, limit)
     cut = (slice(None),) * (k + 1) + tuple(
         slice(lo[j], hi[j]) for j in range(k + 1, n))
+    whole_rows = all(lo[j] == 0 and hi[j] == c[j] for j in range(k + 1, n))
     window = _zstd_window(limit)
     skip = memoryview(bytearray(min(limit, _MAX_SKIP)))
     cur = None
     for plo, phi in _split(lo, hi, k, q):
       start = sum(plo[j] * stride[j] for j in range(k + 1))
       cur = cur or self._cursor(blob, start, window)
+      target = None
+      if into is not None and whole_rows:
+        target = into[tuple(plo[j] - lo[j] for j in range(k))
+                      + (slice(plo[k] - lo[k], phi[k] - lo[k]),)]
+        if not (target.flags.c_contiguous and target.flags.writeable):
+          target = None
       try:
         while cur.pos < start:  # decompress and drop the bytes before the slab
           cur.pos += self._fill_from(cur.reader, skip[:min(len(skip), start - cur.pos)])
-        slab = hostmem.empty_aligned((1,) * k + (phi[k] - plo[k],) + tuple(c[k + 1:]),
-                                     self._stored)
+        slab = target if target is not None else hostmem.empty_aligned(
+            (1,) * k + (phi[k] - plo[k],) + tuple(c[k + 1:]), self._stored)
         cur.pos += self._fill_from(cur.reader, slab.reshape(-1).view(np.uint8))
       except BaseException:
         # Its position is unknown now: never resume it.
         self._cursors.pop((blob.key, blob.offset), None)
         cur.close()
         raise
-      yield (plo, phi), slab[cut]
-      del slab
+      if target is None:
+        yield (plo, phi), slab[cut]
+      del slab, target
 
   def _fill_from(self, reader, buf) -> int:
     done, view = 0, memoryview(buf)

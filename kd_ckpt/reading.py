@@ -10,6 +10,11 @@ chunk bigger than a piece (stock Orbax stores a whole shard as one chunk) is
 read in byte ranges or through streaming zstd decompression
 (`chunkread`), never whole.
 
+On the CPU backend a device keeps an aligned host buffer it is given as its
+array (`_shares_host_buffers`): there each shard is read whole into the
+buffer that becomes its array, with only the read charged, and nothing is
+filled in place.
+
 A leaf whose whole read by Orbax's own `ArrayHandler.deserialize` costs no
 more than one of our pieces (`_stock_charge`: every target shard and every
 stored chunk it touches, at once) is read by it instead, with its charge
@@ -251,10 +256,12 @@ class Source:
       return False
     return self.stored is None or slicing.nbytes(box, self.dtype.itemsize) <= self.read_bytes
 
-  def pieces(self, box: slicing.Box, *, prepaid: bool = False):
+  def pieces(self, box: slicing.Box, *, prepaid: bool = False, out: np.ndarray | None = None):
     """(sub_box, host array) covering `box` (global, inside the stored domain).
 
     `prepaid`: the caller holds `read_charge(box)` (and `hold_decoders()`).
+    `out` (`box`'s shape, the stored dtype): where the caller assembles it;
+    what chunkread decodes straight into it is not yielded.
     """
     lim = self.ctx.limiter
     if self.stored is not None:
@@ -264,7 +271,7 @@ class Source:
       charge = 0 if prepaid else 2 * self.read_bytes + self.stored.state_bytes(self.read_bytes)
       lim.acquire(charge)
       try:
-        yield from self.stored.read_pieces(box, self.read_bytes)
+        yield from self.stored.read_pieces(box, self.read_bytes, out=out)
       finally:
         lim.release(charge)
       return
@@ -547,23 +554,68 @@ def _read_task_charge(lane: Source, glob: slicing.Box, inside, dtype, copies: in
 
 
 def _by_shard_tasks(src: Source, shape, dtype, groups) -> list[tuple] | None:
-  """(box, part inside the saved array, charge) per shard, if the budget
-  holds whole shards; else None.
+  """(box, part inside the saved array, charge, shared) per shard, if the
+  budget holds whole shards; else None.
 
   A whole-shard read holds its host shard, its read and its device copies
-  (host RAM on the CPU backend) until they are placed.  Each may take half
-  of the pieces' room, so that one runs ahead of the placement of another.
+  (host RAM on the CPU backend) until they are placed.  Where the devices
+  share the host shard (`_shares_host_buffers`), the shard is the restored
+  array itself, and only its read is held.  Each may take half of the
+  pieces' room, so that one runs ahead of the placement of another.
   """
   room = src.ctx.pieces_capacity_bytes // 2
   out = []
   for key, devices in groups.items():
     glob = slicing.from_pairs(key)
     inside = _inside(glob, src.shape)
-    charge = _read_task_charge(src, glob, inside, dtype, len(devices))
+    shared = _shares_host_buffers(devices, dtype)
+    charge = (_shared_read_charge(src, inside, dtype) if shared
+              else _read_task_charge(src, glob, inside, dtype, len(devices)))
     if charge > room:
       return None
-    out.append((glob, inside, charge))
+    out.append((glob, inside, charge, shared))
   return out
+
+
+# Escape hatch and test switch: 0 makes every restore charge host buffers as
+# if devices copied them (the path GPUs take).
+SHARE_HOST_BUFFERS = os.environ.get('KD_CKPT_SHARE_HOST_BUFFERS', '1') != '0'
+
+
+@functools.cache
+def _adopts(device, dtype: np.dtype) -> bool:
+  """Whether `jax.device_put` of an aligned host array onto `device` keeps it.
+
+  XLA's CPU client adopts a host buffer aligned for it instead of copying it
+  (device memory is host memory there); not for every dtype (int4 is packed,
+  float64 is cast without x64), so it is asked once per device and dtype.
+  """
+  host = hostmem.zeros_aligned((16,), dtype)
+  placed = jax.device_put(host, device)
+  placed.block_until_ready()
+  return placed.unsafe_buffer_pointer() == host.ctypes.data
+
+
+def _shares_host_buffers(devices, dtype) -> bool:
+  """Whether the host shard put on `devices` becomes their arrays' memory."""
+  return SHARE_HOST_BUFFERS and all(
+      d.platform == 'cpu' and _adopts(d, np.dtype(dtype)) for d in devices)
+
+
+def _shared_read_charge(src: Source, inside, dtype) -> int:
+  """What reading a shard into its shared host buffer holds beyond the buffer.
+
+  chunkread yields bounded pieces of any box; a TensorStore read goes in
+  boxes of at most a piece (`_read_host`'s `shared`).  Zeros beyond the saved
+  array are the restored array's own.
+  """
+  if inside is None:
+    return 0
+  if src.stored is not None:
+    return src.read_charge(inside)
+  itemsize = max(src.dtype.itemsize, np.dtype(dtype).itemsize)
+  return cost.read_charge(min(src.ctx.piece_bytes, slicing.nbytes(inside, itemsize)),
+                          src.chunk_bytes)
 
 
 def _fill_by_shard(src: Source, shape, dtype, sharding, groups, tasks, reserve,
@@ -580,9 +632,9 @@ def _fill_by_shard(src: Source, shape, dtype, sharding, groups, tasks, reserve,
   keys = list(groups)
   lanes = _lanes(src, keys, shape, MAX_READ_LANES if max_lanes is None else max_lanes)
   work = []
-  for j, (glob, inside, charge) in enumerate(tasks):
+  for j, (glob, inside, charge, shared) in enumerate(tasks):
     work.append(readahead.Task(j % len(lanes), charge, functools.partial(
-        _read_host, lanes[j % len(lanes)], glob, inside, dtype, reserve)))
+        _read_host, lanes[j % len(lanes)], glob, inside, dtype, reserve, shared=shared)))
   shards = {}
   try:
     with readahead.ReadAhead(lim, work) as ahead:
@@ -668,19 +720,33 @@ def _disjoint_chunks(src: Source, keys, shape, n: int, limit: int = 4096) -> boo
 
 
 def _read_host(src: Source, glob: slicing.Box, inside: slicing.Box | None, dtype,
-               reserve) -> np.ndarray:
+               reserve, *, shared: bool = False) -> np.ndarray:
   """The stored values of `glob` in `dtype`, zeros beyond the saved array.
 
   The caller holds the read's bytes (`Source.read_charge`, prepaid) and,
   unless one stored piece covers `glob`, the host piece assembled here.
+  `shared` (the host piece is the restored array: `_shared_read_charge`):
+  TensorStore reads go in boxes of at most a piece, not the whole of
+  `inside` at once, and chunkread decodes straight into the host piece.
   """
   shape = tuple(s.stop - s.start for s in glob)
   if inside is None:  # strict=False: beyond the saved array, zeros
     return hostmem.zeros_aligned(shape, dtype)
-  out = None
+  out, into = None, None
+  boxes = [inside]
+  itemsize = max(src.dtype.itemsize, np.dtype(dtype).itemsize)
+  if shared and src.stored is None and slicing.nbytes(inside, itemsize) > src.ctx.piece_bytes:
+    extent = tuple(s.stop - s.start for s in inside)
+    grid = slicing.chunk_shape(extent, itemsize, src.ctx.piece_bytes)
+    boxes = [slicing.offset(inside, box, src.shape)
+             for box in slicing.boxes(extent, grid, itemsize, src.ctx.piece_bytes)]
+  if shared and src.stored is not None and src.dtype == dtype:
+    out = (hostmem.empty_aligned(shape, dtype) if inside == glob
+           else hostmem.zeros_aligned(shape, dtype))
+    into = out[tuple(slice(a.start - b.start, a.stop - b.start) for a, b in zip(inside, glob))]
   with (reserve(slicing.nbytes(inside, src.dtype.itemsize)) if reserve
         else contextlib.nullcontext()):
-    for sub, data in src.pieces(inside, prepaid=True):
+    for sub, data in (p for box in boxes for p in src.pieces(box, prepaid=True, out=into)):
       if out is None and tuple(data.shape) == shape and data.dtype == dtype:
         out = data  # the one piece, covering all of `glob`
         continue

@@ -192,9 +192,17 @@ def resident_bytes(tree) -> int:
   return sum(seen.values())
 
 
-def run_worker(*args: str, timeout: int = 600) -> dict:
-  """Runs `python -m tests.states ARGS` in a fresh process; returns its JSON."""
-  env = dict(os.environ)
+# Restores on devices that copy a host shard instead of keeping it (GPUs):
+# the CPU backend keeps it (`reading._shares_host_buffers`) unless told not to.
+COPYING_DEVICES = {'KD_CKPT_SHARE_HOST_BUFFERS': '0'}
+
+
+def run_worker(*args: str, timeout: int = 600, env: dict | None = None) -> dict:
+  """Runs `python -m tests.states ARGS` in a fresh process; returns its JSON.
+
+  `env`: variables set for it on top of this process's.
+  """
+  env = {**os.environ, **(env or {})}
   env['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
   env['JAX_PLATFORMS'] = 'cpu'
   env['PYTHONPATH'] = REPO + os.pathsep + env.get('PYTHONPATH', '')

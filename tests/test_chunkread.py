@@ -88,6 +88,27 @@ def _check_pieces(array, box, piece_bytes):
   assert (seen == 1).all()
 
 
+def _read_into(array, box, piece_bytes, padded: bool):
+  """`box` read with `out=`: into a buffer of its own, or a view with a
+  border that must stay untouched.  Returns (values, elements yielded)."""
+  lo = [s.indices(n)[0] for s, n in zip(box, array.shape)]
+  hi = [s.indices(n)[1] for s, n in zip(box, array.shape)]
+  shape = tuple(b - a for a, b in zip(lo, hi))
+  pad = 1 if padded else 0
+  whole = np.zeros(tuple(n + 2 * pad for n in shape), array.dtype)
+  whole.reshape(-1).view(np.uint8)[:] = 0xA5
+  border = whole.copy()
+  out = whole[tuple(slice(pad, pad + n) for n in shape) or ...]
+  yielded = 0
+  for sub, data in array.read_pieces(box, piece_bytes, out=out):
+    out[tuple(slice(s.start - a, s.stop - a) for s, a in zip(sub, lo)) or ...] = data
+    yielded += data.size
+  if padded:
+    border[tuple(slice(1, 1 + n) for n in shape) or ...] = out
+    assert whole.tobytes() == border.tobytes()  # nothing written outside `out`
+  return out, yielded
+
+
 def _compare(directory, name, boxes):
   kv, t = _kv(directory), _tensorstore(directory, name)
   for box in boxes:
@@ -97,6 +118,27 @@ def _compare(directory, name, boxes):
       assert got.dtype == want.dtype and got.shape == want.shape, (name, box)
       assert got.tobytes() == want.tobytes(), (name, box, piece_bytes)
       _check_pieces(chunkread.StoredArray.open(kv, name), box, piece_bytes)
+    # With `out=` (decoded straight into it where possible), in a buffer of
+    # its own and in a view of a bigger one (its rows not contiguous).
+    for padded in (False, True) if box is boxes[0] else (False,):
+      got, _ = _read_into(chunkread.StoredArray.open(kv, name), box, 4096, padded)
+      assert got.tobytes() == want.tobytes(), (name, box, padded)
+
+
+def test_zstd_slabs_are_decoded_straight_into_out(orbax_ckpts):
+  """A whole-rows read of a zstd chunk bigger than a piece is decoded into
+  `out` and yields nothing to copy; a wrong `out` is refused."""
+  for fmt in ('v2_zstd', 'v3_zstd'):
+    kv = _kv(orbax_ckpts[fmt])
+    array = chunkread.StoredArray.open(kv, 'f32')  # (1009, 257), one chunk
+    whole = (slice(None), slice(None))
+    want = _tensorstore(orbax_ckpts[fmt], 'f32')[whole].read().result()
+    got, yielded = _read_into(array, whole, 64 << 10, padded=False)
+    assert got.tobytes() == want.tobytes() and yielded == 0, (fmt, yielded)
+    got, yielded = _read_into(array, (slice(3, 900), slice(5, 200)), 64 << 10, padded=False)
+    assert yielded == 897 * 195, fmt  # not whole rows: every piece copied by the caller
+    with pytest.raises(ValueError, match=r'out has shape \(3, 257\)'):
+      next(array.read_pieces(whole, 64 << 10, out=np.empty((3, 257), np.float32)))
 
 
 @pytest.mark.parametrize('fmt', ORBAX_FORMATS)

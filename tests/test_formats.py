@@ -206,11 +206,20 @@ def test_a_leaf_priced_unopened_costs_no_more_than_its_price(saved, tmp_path, fm
   assert checked >= 16
 
 
-def test_a_budget_that_holds_whole_shards_reads_them_whole(tmp_path, monkeypatch):
+@pytest.mark.parametrize('shared', [False, True])
+def test_a_budget_that_holds_whole_shards_reads_them_whole(tmp_path, monkeypatch, shared):
   """Stock shards bigger than a piece: filled in place at a small budget,
   read whole (nothing compiled, no zeros or update pass) at a big one; both
-  bit-exact, with a cast and a replicated leaf too."""
+  bit-exact, with a cast and a replicated leaf too.
+
+  On the CPU backend the devices keep the host shard they are given
+  (`reading._shares_host_buffers`): it is the restored array, so only its
+  read is charged and whole shards are read at the small budget too, each
+  replica's array on the one buffer.  `shared=False` is the path of devices
+  that copy it (GPUs).
+  """
   from kd_ckpt import reading  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(reading, 'SHARE_HOST_BUFFERS', shared)
 
   mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('a', 'b'))
   rng = np.random.default_rng(5)
@@ -218,19 +227,21 @@ def test_a_budget_that_holds_whole_shards_reads_them_whole(tmp_path, monkeypatch
   # Shards of 16.5 MiB: over two 8 MiB pieces at 64 MiB, so filled in place.
   tree = {'w': jax.device_put(rng.standard_normal((4 * 2053, 2 * 2053), np.float32),
                               NamedSharding(mesh, P('a', 'b'))),
-          'r': jax.device_put(rng.standard_normal((1031, 1033), np.float32),
+          'r': jax.device_put(rng.standard_normal((2053, 2039), np.float32),
                               NamedSharding(mesh, P()))}
   with ocp.StandardCheckpointer() as c:
     c.save(tmp_path / 'c', tree)
   target = jax.eval_shape(lambda: tree)
-  target['r'] = jax.ShapeDtypeStruct((1031, 1033), jnp.bfloat16, sharding=tree['r'].sharding)
+  target['r'] = jax.ShapeDtypeStruct((2053, 2039), jnp.bfloat16, sharding=tree['r'].sharding)
   calls = []
   real = reading._fill_by_shard
   monkeypatch.setattr(reading, '_fill_by_shard', lambda *a, **k: calls.append(1) or real(*a, **k))
-  for budget, whole in (('64MiB', False), ('1GiB', True)):
+  for budget, whole in (('64MiB', shared), ('1GiB', True)):
     calls.clear()
     back = kd_ckpt.restore(tmp_path / 'c', target, host_ram_budget=budget)
     assert bool(calls) == whole, (budget, calls)
+    if shared and budget == '64MiB':  # read here, 'r''s 8 replicas are one buffer
+      assert len({s.data.unsafe_buffer_pointer() for s in back['r'].addressable_shards}) == 1
     assert np.asarray(back['w']).tobytes() == np.asarray(tree['w']).tobytes()
     np.testing.assert_array_equal(np.asarray(back['r']),
                                   np.asarray(tree['r']).astype(jnp.bfloat16))

@@ -212,11 +212,13 @@ def test_orbax_checkpoint_restores_with_kd_ckpt(tmp_path):
     ((8 * 10007, 131), ('x',), False, 'bfloat16'),         # cast from stored f32
 ])
 def test_big_shards_are_filled_in_place_with_one_update_program(
-    tmp_path, shape, spec, mesh2d, dtype):
+    tmp_path, monkeypatch, shape, spec, mesh2d, dtype):
   """Shards of more than two pieces are filled on their devices, all shards
   at once: one update program per leaf, not one per shard shape and device
-  (each kept by XLA, ~1 MiB of host RAM)."""
+  (each kept by XLA, ~1 MiB of host RAM).  On devices that copy their host
+  shards (GPUs); the CPU backend's keep them and are read whole."""
   from kd_ckpt import reading, startup  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(reading, 'SHARE_HOST_BUFFERS', False)
   startup.start_compiler()
   m1, m2 = states.meshes()
   sharding = states.NS(m2 if mesh2d else m1, states.P(*spec))
@@ -236,10 +238,11 @@ def test_big_shards_are_filled_in_place_with_one_update_program(
   assert update._cache_size() == programs + 1  # pylint: disable=protected-access
 
 
-def test_restore_refuses_before_reading_when_its_programs_do_not_fit(tmp_path):
+def test_restore_refuses_before_reading_when_its_programs_do_not_fit(tmp_path, monkeypatch):
   """The programs that fill big shards in place are admitted like buffers:
   where they and the smallest pieces do not fit, the restore names them."""
-  from kd_ckpt import startup  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import reading, startup  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(reading, 'SHARE_HOST_BUFFERS', False)
   startup.start_compiler()
   _, m2 = states.meshes()
   sharding = states.NS(m2, states.P('a', 'b'))
