@@ -246,3 +246,34 @@ def test_a_budget_that_holds_whole_shards_reads_them_whole(tmp_path, monkeypatch
     np.testing.assert_array_equal(np.asarray(back['r']),
                                   np.asarray(tree['r']).astype(jnp.bfloat16))
     assert back['w'].sharding == tree['w'].sharding and back['r'].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize('shared', [True, False])
+def test_strict_false_pads_and_truncates_big_leaves_as_orbax_does(tmp_path, monkeypatch, shared):
+  """Targets bigger (zeros beyond the saved array) and smaller than a stock
+  leaf whose chunks are bigger than the pieces, on 8 devices and on one, at
+  a small budget: the same values as Orbax's own `strict=False` restore."""
+  from kd_ckpt import chunkread, reading  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(reading, 'SHARE_HOST_BUFFERS', shared)
+  streamed = []
+  real = chunkread.StoredArray.read_pieces
+  monkeypatch.setattr(chunkread.StoredArray, 'read_pieces',
+                      lambda *a, **k: streamed.append(1) or real(*a, **k))
+  startup.start_compiler()
+  mesh = Mesh(np.array(jax.devices()), ('x',))
+  rng = np.random.default_rng(11)
+  value = rng.integers(-99, 99, (8 * 1031, 1021)).astype(np.float32)  # ~4 MiB shards
+  tree = {'w': jax.device_put(value, NamedSharding(mesh, P('x')))}
+  with ocp.StandardCheckpointer() as c:
+    c.save(tmp_path / 'c', tree)
+  for shape in ((8 * 1100, 1100), (8 * 1000, 1000), (8 * 1100, 1000)):
+    for sharding in (NamedSharding(mesh, P('x')), jax.sharding.SingleDeviceSharding(jax.devices()[0])):
+      target = {'w': jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)}
+      with ocp.Checkpointer(ocp.StandardCheckpointHandler()) as c:
+        want = c.restore(tmp_path / 'c', args=ocp.args.StandardRestore(target, strict=False))
+      back = kd_ckpt.restore(tmp_path / 'c', target, host_ram_budget='40MiB', strict=False)
+      assert back['w'].shape == shape and back['w'].sharding == sharding
+      np.testing.assert_array_equal(np.asarray(back['w']), np.asarray(want['w']))
+      common = tuple(slice(0, min(a, b)) for a, b in zip(shape, value.shape))
+      np.testing.assert_array_equal(np.asarray(back['w'])[common], value[common])
+  assert streamed  # the chunks were read in pieces (chunkread), not whole
