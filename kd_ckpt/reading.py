@@ -557,9 +557,9 @@ def _by_shard_tasks(src: Source, shape, dtype, groups) -> list[tuple] | None:
   """(box, part inside the saved array, charge, shared) per shard, if the
   budget holds whole shards; else None.
 
-  A whole-shard read holds its host shard, its read and its device copies
-  (host RAM on the CPU backend) until they are placed.  Where the devices
-  share the host shard (`_shares_host_buffers`), the shard is the restored
+  On devices that copy the host shard, a whole-shard read holds it, its read
+  and its device copies until they are placed.  Where the devices keep it
+  (`_shares_host_buffers`: the CPU backend), the host shard is the restored
   array itself, and only its read is held.  Each may take half of the
   pieces' room, so that one runs ahead of the placement of another.
   """
@@ -575,11 +575,6 @@ def _by_shard_tasks(src: Source, shape, dtype, groups) -> list[tuple] | None:
       return None
     out.append((glob, inside, charge, shared))
   return out
-
-
-# Escape hatch and test switch: 0 makes every restore charge host buffers as
-# if devices copied them (the path GPUs take).
-SHARE_HOST_BUFFERS = os.environ.get('KD_CKPT_SHARE_HOST_BUFFERS', '1') != '0'
 
 
 @functools.cache
@@ -668,6 +663,9 @@ STOCK_BATCHES_IN_FLIGHT = 3
 IN_PLACE_MIN_PIECE_BYTES = 16 << 20
 # How often (in tasks read) a read trims glibc's arenas (~1 ms each).
 TRIM_EVERY_TASKS = 16
+# KD_CKPT_SHARE_HOST_BUFFERS=0, an escape hatch and a test switch: every
+# restore charges host shards as if their devices copied them (as GPUs do).
+SHARE_HOST_BUFFERS = os.environ.get('KD_CKPT_SHARE_HOST_BUFFERS', '1') != '0'
 # Reader threads of one leaf at most: zstd decoding releases the GIL, and
 # reads beyond the cores only contend.
 MAX_READ_LANES = max(1, min(os.cpu_count() or 1, 4))
