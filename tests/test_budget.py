@@ -27,6 +27,26 @@ TOLERANCE = 8 * MiB
 STATE_BYTES = 256 * MiB
 
 
+@pytest.fixture(scope='module')
+def saved(tmp_path_factory):
+  """saved(state, saved_by) -> a checkpoint of `state`, written once per
+  module: the restore rows of each device path read the same one."""
+  done = {}
+
+  def get(state: str, saved_by: str) -> str:
+    if (state, saved_by) not in done:
+      d = str(tmp_path_factory.mktemp('saved') / 'c')
+      if saved_by == 'stock':
+        # Orbax stores one chunk per shard: a 255 MiB chunk, 5x the budget.
+        states.run_worker('stock', d, state, str(STATE_BYTES))
+      else:
+        states.run_worker('save', d, state, str(STATE_BYTES), saved_by, str(256 * MiB))
+      done[state, saved_by] = d
+    return done[state, saved_by]
+
+  return get
+
+
 def _check(r, budget, what):
   peak = r['peak_extra_bytes']
   print(f'{what}: peak {peak / MiB:.1f} MiB of {budget / MiB:.0f} MiB'
@@ -69,17 +89,12 @@ def test_async_safe_checkpointer_report_covers_the_whole_save(tmp_path, state):
     ('many_small', 'streaming', 'cpu'),
     ('prime_rep', 'stock', 'cpu'), ('prime_rep', 'stock', 'copying'),
     ('many_medium', 'streaming', 'cpu'), ('many_medium', 'stock', 'cpu')])
-def test_restore_holds_the_budget(tmp_path, state, saved_by, devices):
+def test_restore_holds_the_budget(saved, state, saved_by, devices):
   """`devices='copying'`: as on GPUs, which copy the host shards they are
   given (big shards are then filled in place); 'cpu' keeps them."""
   # 2,000 leaves' bookkeeping alone is 47 MiB (cost.PER_LEAF_BYTES).
   budget = 96 * MiB if state == 'many_small' else 48 * MiB
-  d = str(tmp_path / 'c')
-  if saved_by == 'stock':
-    # Orbax stores one chunk per shard: a 255 MiB chunk, 5x the budget.
-    states.run_worker('stock', d, state, str(STATE_BYTES))
-  else:
-    states.run_worker('save', d, state, str(STATE_BYTES), saved_by, str(256 * MiB))
+  d = saved(state, saved_by)
   r = states.run_worker('restore', d, state, str(STATE_BYTES), str(budget),
                         env=states.COPYING_DEVICES if devices == 'copying' else None)
   beyond = r['peak_extra_bytes'] - r['restored_bytes']
@@ -94,7 +109,7 @@ def test_restore_holds_the_budget(tmp_path, state, saved_by, devices):
     ('mesh2d_prime', 128 * MiB, 'copying'), ('prime', 512 * MiB, 'copying'),
     ('mesh2d_prime', 512 * MiB, 'copying'),
     ('prime', 96 * MiB, 'cpu'), ('mesh2d_prime', 128 * MiB, 'cpu')])
-def test_parallel_reads_of_stock_shards_hold_the_budget(tmp_path, state, budget, devices):
+def test_parallel_reads_of_stock_shards_hold_the_budget(saved, state, budget, devices):
   """Shards bigger than a piece are read by several lanes at once (`readahead`).
 
   Stock Orbax stores one zstd chunk per shard (8 of ~32 MiB here).  On
@@ -105,8 +120,7 @@ def test_parallel_reads_of_stock_shards_hold_the_budget(tmp_path, state, budget,
   host shard, shards are read whole at every budget.  Every read's buffers
   are admitted before they exist.
   """
-  d = str(tmp_path / 'c')
-  states.run_worker('stock', d, state, str(STATE_BYTES))
+  d = saved(state, 'stock')
   r = states.run_worker('restore', d, state, str(STATE_BYTES), str(budget),
                         env=states.COPYING_DEVICES if devices == 'copying' else None)
   beyond = r['peak_extra_bytes'] - r['restored_bytes']
