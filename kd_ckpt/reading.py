@@ -485,7 +485,12 @@ def _fill_in_place(src: Source, shape, plan: _InPlace, groups, reserve,
   pieces_shape = tuple(f * (n // e) for f, n, e in zip(plan.piece, plan.shape, plan.shard))
   keys = list(groups)
   tiles = list(slicing.tiles(plan.shard, plan.piece))
-  lanes = _lanes(src, keys, shape, MAX_READ_LANES if max_lanes is None else max_lanes)
+  # A step holds the device copies of its earlier shards' pieces while it
+  # waits for the next read: all of them and the largest read must fit.
+  need = max(_read_task_charge(src, g, _inside(g, src.shape), dtype, len(groups[key]))
+             for key in keys for g in [slicing.offset(slicing.from_pairs(key), tiles[0], shape)])
+  need += sum(len(groups[key]) for key in keys) * piece_nbytes
+  lanes = _lanes(src, keys, shape, MAX_READ_LANES if max_lanes is None else max_lanes, need)
   tasks = []
   for rel in tiles:
     for j, key in enumerate(keys):
@@ -625,7 +630,8 @@ def _fill_by_shard(src: Source, shape, dtype, sharding, groups, tasks, reserve,
   """
   lim = src.ctx.limiter
   keys = list(groups)
-  lanes = _lanes(src, keys, shape, MAX_READ_LANES if max_lanes is None else max_lanes)
+  lanes = _lanes(src, keys, shape, MAX_READ_LANES if max_lanes is None else max_lanes,
+                 max(t[2] for t in tasks))
   work = []
   for j, (glob, inside, charge, shared) in enumerate(tasks):
     work.append(readahead.Task(j % len(lanes), charge, functools.partial(
@@ -671,12 +677,17 @@ SHARE_HOST_BUFFERS = os.environ.get('KD_CKPT_SHARE_HOST_BUFFERS', '1') != '0'
 MAX_READ_LANES = max(1, min(os.cpu_count() or 1, 4))
 
 
-def _lanes(src: Source, keys, shape, max_lanes: int) -> list[Source]:
+def _lanes(src: Source, keys, shape, max_lanes: int, task_bytes: int) -> list[Source]:
   """The readers of one leaf's shards: `src` and, where they fit, more.
 
   Shard j is read by lane j % len(lanes), in tile order.  Lanes beyond the
-  first need their own decoders (chunkread), admitted now if they fit, and
-  must not share a stored chunk (each would decode it from its start).
+  first need their own decoders (chunkread), and must not share a stored
+  chunk (each would decode it from its start).  Their decoders are held
+  until the leaf is read, so a lane is added only if, with them held,
+  `task_bytes` (what the caller holds at once while it waits for a read,
+  with that read) still fits: else that read would wait for bytes nothing
+  releases until the leaf is read (a deadlock the limiter only reports
+  after `STALL_SECS`).
   """
   n = max(1, min(max_lanes, len(keys)))
   if n > 1 and src.stored is not None and not _disjoint_chunks(src, keys, shape, n):
@@ -691,6 +702,10 @@ def _lanes(src: Source, keys, shape, max_lanes: int) -> list[Source]:
     if not lane.hold_decoders(wait=False):
       lane.close()
       break
+    if not src.ctx.limiter.try_acquire(task_bytes):  # a task still fits beside them?
+      lane.close()
+      break
+    src.ctx.limiter.release(task_bytes)
     lanes.append(lane)
   if len(lanes) not in (1, n) and src.stored is not None:
     # Fewer lanes than planned share chunks differently: check again.

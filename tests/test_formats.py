@@ -277,3 +277,29 @@ def test_strict_false_pads_and_truncates_big_leaves_as_orbax_does(tmp_path, monk
       common = tuple(slice(0, min(a, b)) for a, b in zip(shape, value.shape))
       np.testing.assert_array_equal(np.asarray(back['w'])[common], value[common])
   assert streamed  # the chunks were read in pieces (chunkread), not whole
+
+
+@pytest.mark.parametrize('shared,rows,cols', [(True, 1031, 1021), (False, 2003, 997)],
+                         ids=['shared', 'copying'])
+def test_a_restore_never_waits_on_its_own_readers(tmp_path, monkeypatch, shared, rows, cols):
+  """Extra reader lanes hold their zstd decoders until the leaf is read.
+
+  A lane was added whenever its decoders fit, even if, beside them, the
+  next read (and, filling in place, the device copies of a step's pieces)
+  no longer did: that read then waited for bytes nothing would release,
+  and the restore failed after `STALL_SECS` (300 s) instead of reading.
+  Found by a sweep of stock checkpoints over budgets (8 prime-ish shards at
+  40 MiB, on both placement paths).
+  """
+  from kd_ckpt import limiter, reading  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(reading, 'SHARE_HOST_BUFFERS', shared)
+  monkeypatch.setattr(limiter, 'STALL_SECS', 15.0)  # a wedge fails in 15 s, not 300
+  startup.start_compiler()
+  mesh = Mesh(np.array(jax.devices()), ('x',))
+  value = np.random.default_rng(3).standard_normal((8 * rows, cols)).astype(np.float32)
+  tree = {'w': jax.device_put(value, NamedSharding(mesh, P('x')))}
+  with ocp.StandardCheckpointer() as c:
+    c.save(tmp_path / 'c', tree)
+  for budget in ('36MiB', '40MiB', '44MiB'):
+    back = kd_ckpt.restore(tmp_path / 'c', jax.eval_shape(lambda: tree), host_ram_budget=budget)
+    assert np.asarray(back['w']).tobytes() == value.tobytes(), budget
