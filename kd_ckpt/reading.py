@@ -44,6 +44,7 @@ import math
 import os
 from typing import Any, Iterator, Sequence
 
+from absl import logging
 from etils import epath
 import jax
 import numpy as np
@@ -596,6 +597,25 @@ def _adopts(device, dtype: np.dtype) -> bool:
   return placed.unsafe_buffer_pointer() == host.ctypes.data
 
 
+def _check_kept(host: np.ndarray, placed) -> None:
+  """Stops sharing for the rest of the process if a device copied an
+  aligned host shard it was expected to keep (the probe was wrong).
+
+  Only the shards then in flight were charged too little; every later read
+  charges host shards as copies.
+  """
+  global SHARE_HOST_BUFFERS
+  if host.ctypes.data % hostmem.DEVICE_ALIGN_BYTES or not host.flags.c_contiguous:
+    return  # one stored piece, not ours to align: a copy is expected
+  if all(a.unsafe_buffer_pointer() == host.ctypes.data for a in placed) or not SHARE_HOST_BUFFERS:
+    return
+  SHARE_HOST_BUFFERS = False
+  logging.warning(
+      'kd_ckpt: %s copied an aligned host buffer that its backend had kept when'
+      ' asked; restores in this process now charge host shards as copies. Set'
+      ' KD_CKPT_SHARE_HOST_BUFFERS=0 to start that way.', placed[0].sharding)
+
+
 def _shares_host_buffers(devices, dtype) -> bool:
   """Whether the host shard put on `devices` becomes their arrays' memory."""
   return SHARE_HOST_BUFFERS and all(
@@ -645,6 +665,8 @@ def _fill_by_shard(src: Source, shape, dtype, sharding, groups, tasks, reserve,
           for d in groups[key]:
             shards[d] = jax.device_put(host, d)
           jax.block_until_ready([shards[d] for d in groups[key]])
+          if tasks[j][3]:  # shared: the devices were to keep it
+            _check_kept(host, [shards[d] for d in groups[key]])
         finally:
           del host  # placed: the restored array's now, outside the budget
           lim.release(charge)

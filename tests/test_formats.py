@@ -303,3 +303,33 @@ def test_a_restore_never_waits_on_its_own_readers(tmp_path, monkeypatch, shared,
   for budget in ('36MiB', '40MiB', '44MiB'):
     back = kd_ckpt.restore(tmp_path / 'c', jax.eval_shape(lambda: tree), host_ram_budget=budget)
     assert np.asarray(back['w']).tobytes() == value.tobytes(), budget
+
+
+def test_a_device_that_copies_a_host_shard_it_was_to_keep_stops_sharing(
+    tmp_path, monkeypatch, caplog):
+  """If the CPU backend copies an aligned host shard after all (the probe was
+  wrong), the restore still comes back right, says so, and later reads
+  charge host shards as copies."""
+  from kd_ckpt import reading  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(reading, 'SHARE_HOST_BUFFERS', True)
+  startup.start_compiler()
+  mesh = Mesh(np.array(jax.devices()), ('x',))
+  value = np.random.default_rng(3).standard_normal((8 * 1031, 1021)).astype(np.float32)
+  tree = {'w': jax.device_put(value, NamedSharding(mesh, P('x')))}
+  with ocp.StandardCheckpointer() as c:
+    c.save(tmp_path / 'c', tree)
+  assert reading._shares_host_buffers(jax.devices(), np.float32)  # asked before the patch
+  real = jax.device_put
+
+  def copying_put(x, d=None, **k):  # as a backend that copies: from a misaligned copy
+    if isinstance(x, np.ndarray):
+      buf = np.empty(x.size + 1, x.dtype)[1:].reshape(x.shape)
+      buf[...] = x
+      x = buf
+    return real(x, d, **k)
+
+  monkeypatch.setattr(reading.jax, 'device_put', copying_put)
+  back = kd_ckpt.restore(tmp_path / 'c', jax.eval_shape(lambda: tree), host_ram_budget='40MiB')
+  np.testing.assert_array_equal(np.asarray(back['w']), value)
+  assert reading.SHARE_HOST_BUFFERS is False
+  assert 'now charge host shards as copies' in caplog.text
