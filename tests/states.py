@@ -6,6 +6,7 @@ one test's heap never flatters or spoils another's peak.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
@@ -16,6 +17,8 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from tests import zygote
 
 P = jax.sharding.PartitionSpec
 NS = jax.sharding.NamedSharding
@@ -204,19 +207,43 @@ COPYING_DEVICES = {'KD_CKPT_SHARE_HOST_BUFFERS': '0'}
 def run_worker(*args: str, timeout: int = 600, env: dict | None = None) -> dict:
   """Runs `python -m tests.states ARGS` in a fresh process; returns its JSON.
 
-  `env`: variables set for it on top of this process's.
+  The process is forked from this test process's zygote (`tests.zygote`:
+  numpy, jax, TensorStore and Orbax imported, nothing started), or started
+  from nothing when `env` sets more than KD_* variables or
+  KD_TEST_EXEC_WORKERS=1.  `env`: variables set for it on top of this
+  process's.
   """
-  env = {**os.environ, **(env or {})}
-  env['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
-  env['JAX_PLATFORMS'] = 'cpu'
-  env['PYTHONPATH'] = REPO + os.pathsep + env.get('PYTHONPATH', '')
-  proc = subprocess.run(
-      [sys.executable, '-m', 'tests.states', *args], cwd=REPO, env=env,
-      capture_output=True, text=True, timeout=timeout,
-  )
-  if proc.returncode != 0:
-    raise AssertionError(f'worker {args} failed:\n{proc.stderr[-4000:]}')
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  extra = dict(env or {})
+  base = dict(os.environ)
+  base['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
+  base['JAX_PLATFORMS'] = 'cpu'
+  base['PYTHONPATH'] = REPO + os.pathsep + base.get('PYTHONPATH', '')
+  rc = None
+  if os.environ.get('KD_TEST_EXEC_WORKERS') != '1' and zygote.forkable_env(extra):
+    try:
+      rc, out, err = _zygote(base).run(list(args), extra, timeout)
+    except zygote.ZygoteError:
+      rc = None  # started from nothing below
+  if rc is None:
+    proc = subprocess.run(
+        [sys.executable, '-m', 'tests.states', *args], cwd=REPO, env={**base, **extra},
+        capture_output=True, text=True, timeout=timeout,
+    )
+    rc, out, err = proc.returncode, proc.stdout, proc.stderr
+  if rc != 0:
+    raise AssertionError(f'worker {args} failed (exit {rc}):\n{err[-4000:]}')
+  return json.loads(out.strip().splitlines()[-1])
+
+
+_ZYGOTE: 'zygote.Zygote | None' = None
+
+
+def _zygote(env: dict) -> 'zygote.Zygote':
+  global _ZYGOTE
+  if _ZYGOTE is None or not _ZYGOTE.alive():
+    _ZYGOTE = zygote.Zygote(env)
+    atexit.register(_ZYGOTE.close)
+  return _ZYGOTE
 
 
 def _digests(tree) -> dict[str, str]:
