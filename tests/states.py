@@ -239,8 +239,13 @@ _ZYGOTE: 'zygote.Zygote | None' = None
 
 
 def _zygote(env: dict) -> 'zygote.Zygote':
+  """This process's zygote, started with `env` (again when a test changed it:
+  e.g. the object-storage tests point the storage clients at their server)."""
   global _ZYGOTE
-  if _ZYGOTE is None or not _ZYGOTE.alive():
+  if _ZYGOTE is not None and (not _ZYGOTE.alive() or _ZYGOTE.env != env):
+    _ZYGOTE.close()
+    _ZYGOTE = None
+  if _ZYGOTE is None:
     _ZYGOTE = zygote.Zygote(env)
     atexit.register(_ZYGOTE.close)
   return _ZYGOTE

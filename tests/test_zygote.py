@@ -42,3 +42,16 @@ def test_only_kd_variables_are_set_in_a_forked_worker():
   # Others (XLA_FLAGS, JAX_*) are read by the imports the zygote already made.
   assert zygote.forkable_env({'KD_CKPT_SHARE_HOST_BUFFERS': '0'})
   assert not zygote.forkable_env({'XLA_FLAGS': '--xla_force_host_platform_device_count=2'})
+
+
+def test_a_changed_environment_starts_a_new_zygote(tmp_path, monkeypatch):
+  """The object-storage tests set the storage clients' variables in this
+  process: a zygote started before must not fork their workers (they went to
+  the real bucket, and hung)."""
+  states.run_worker('save', str(tmp_path / 'a'), 'sharded', str(MiB), 'streaming', str(64 * MiB))
+  first = states._ZYGOTE  # pylint: disable=protected-access
+  monkeypatch.setenv('STORAGE_EMULATOR_HOST', 'http://127.0.0.1:9')
+  states.run_worker('save', str(tmp_path / 'b'), 'sharded', str(MiB), 'streaming', str(64 * MiB))
+  second = states._ZYGOTE  # pylint: disable=protected-access
+  assert second is not first and not first.alive()
+  assert second.env['STORAGE_EMULATOR_HOST'] == 'http://127.0.0.1:9'

@@ -49,6 +49,7 @@ class Zygote:
   """A `python -m tests.zygote` process; `run` forks a `tests.states` worker."""
 
   def __init__(self, env: dict[str, str]):
+    self.env = dict(env)
     self.proc = subprocess.Popen([sys.executable, '-m', 'tests.zygote'], cwd=REPO, env=env,
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     self._lock = threading.Lock()
