@@ -245,16 +245,22 @@ def test_ten_thousand_tiny_leaves(tmp_path, strategy, record_property):
   # 10,000 leaves' bookkeeping alone is 234-313 MiB (cost.PER_LEAF_BYTES).
   report = kd_ckpt.save(d, tree, host_ram_budget='512MiB', strategy=strategy)
   save_ms = (time.monotonic() - start) * 1e3 / len(tree)
-  start = time.monotonic()
-  back = kd_ckpt.restore(d, _abstract(tree), host_ram_budget='512MiB')
-  restore_ms = (time.monotonic() - start) * 1e3 / len(tree)
-  _assert_same(back, tree)
   assert report.peak_extra_bytes <= report.budget_bytes
+  assert report.strategy == strategy and report.bytes_written >= 16 * len(tree)
   # Reported, not asserted (speed is the benchmark's job): see -rA / junit.
   record_property('save_ms_per_leaf', round(save_ms, 3))
-  record_property('restore_ms_per_leaf', round(restore_ms, 3))
+  if strategy == 'streaming':
+    # Restored once: both writers store leaves this small alike (one chunk
+    # each in the OCDBT database), and kd_ckpt reads them all through Orbax's
+    # batched reader; the restore is ~27 s of Orbax's per-leaf work.
+    start = time.monotonic()
+    back = kd_ckpt.restore(d, _abstract(tree), host_ram_budget='512MiB')
+    restore_ms = (time.monotonic() - start) * 1e3 / len(tree)
+    _assert_same(back, tree)
+    record_property('restore_ms_per_leaf', round(restore_ms, 3))
+    print(f'\n10k leaves, restore {restore_ms:.2f} ms/leaf')
   print(f'\n10k leaves, {strategy}: save {save_ms:.2f} ms/leaf,'
-        f' restore {restore_ms:.2f} ms/leaf, peak {report.peak_extra_bytes / MiB:.0f} MiB')
+        f' peak {report.peak_extra_bytes / MiB:.0f} MiB')
 
 
 def test_safe_checkpointer_retries_with_a_fresh_save_and_never_its_own_errors(tmp_path, monkeypatch):
