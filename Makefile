@@ -1,8 +1,9 @@
 # kd_ckpt: JAX checkpoints that stay inside a host-RAM budget.
 #
-#   make test          unit + integration tests (pytest on 2 workers: 14.5-14.6 min
-#                      of tests on 2 cores, 18 min with a fresh install; CPU-bound,
-#                      so more workers do not make it faster)
+#   make test          unit + integration tests (pytest on 2 workers: 13.3 min of
+#                      tests on 2 cores with the venv in place at 242e480, before
+#                      the last cuts; about 3.5 min more for a fresh install.
+#                      CPU-bound, so more workers do not make it faster)
 #   make test-fast     without the slow/integration tests
 #   make test-orbax-lowest   test-fast against the lowest supported
 #                      orbax-checkpoint (ORBAX_LOWEST=0.12.7), venv untouched

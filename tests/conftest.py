@@ -35,3 +35,18 @@ def pytest_sessionstart(session):
         ' TMPDIR elsewhere.',
         returncode=3,
     )
+
+
+# The longest files first (seconds of test time on 2 cores, 560 tests in
+# all): `make test` gives each of its 2 workers a file at a time
+# (--dist loadfile), so a long file taken last would run alone at the end.
+_LONGEST_FIRST = ('test_budget.py', 'test_object_storage.py', 'test_bench.py',  # 235-255 s
+                  'test_reliability.py', 'test_crash_safety.py', 'test_streaming.py',
+                  'test_kauldron_integration.py', 'test_chunkread.py')         # 75-95 s
+
+
+def pytest_collection_modifyitems(session, config, items):
+  del session, config
+  rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+  # sorted() is stable: within a file, and among the other files, the order stays.
+  items[:] = sorted(items, key=lambda it: rank.get(it.path.name, len(rank)))
