@@ -1,9 +1,9 @@
 # kd_ckpt: JAX checkpoints that stay inside a host-RAM budget.
 #
-#   make test          unit + integration tests (pytest on 2 workers: 13.3 min of
-#                      tests on 2 cores with the venv in place at 242e480, before
-#                      the last cuts; about 3.5 min more for a fresh install.
-#                      CPU-bound, so more workers do not make it faster)
+#   make test          unit + integration tests (pytest on 2 workers: 12.2 min of
+#                      tests on 2 cores, 15.0 min with the install, from a fresh
+#                      clone at 13e449d; CPU-bound, so more workers do not help)
+#   make sweep-restores  restores over untuned shapes x budgets; none may stall
 #   make test-fast     without the slow/integration tests
 #   make test-orbax-lowest   test-fast against the lowest supported
 #                      orbax-checkpoint (ORBAX_LOWEST=0.12.7), venv untouched
@@ -49,7 +49,7 @@ DEMO_DEVICES ?= 8
 DEMO_CFG := configs/gemma_lora.py
 PLAN_ARGS ?=
 
-.PHONY: test test-fast test-orbax-lowest test-orbax-peer test-kauldron-peer test-peers bench-gcs demo bench bench-full calibrate bench-restore-stock bench-speed plan constraints venv clean
+.PHONY: sweep-restores test test-fast test-orbax-lowest test-orbax-peer test-kauldron-peer test-peers bench-gcs demo bench bench-full calibrate bench-restore-stock bench-speed plan constraints venv clean
 
 venv: $(STAMP)
 
@@ -124,6 +124,11 @@ test-kauldron-peer: $(STAMP)
 
 # Both peer suites: make test-peers KAULDRON_SRC=... ORBAX_SRC=...
 test-peers: test-kauldron-peer test-orbax-peer
+
+# Restores of 7 untuned shapes x 2 writers x 2 placement paths x 17 budgets:
+# none may stall, differ, or fail at a budget above one that worked (~2 min).
+sweep-restores: $(STAMP)
+	$(PY) tools/sweep_restores.py
 
 bench: $(STAMP)
 	$(PY) bench/run.py
