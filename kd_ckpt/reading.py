@@ -488,8 +488,11 @@ def _fill_in_place(src: Source, shape, plan: _InPlace, groups, reserve,
   tiles = list(slicing.tiles(plan.shard, plan.piece))
   # A step holds the device copies of its earlier shards' pieces while it
   # waits for the next read: all of them and the largest read must fit.
+  # Every tile: with strict=False, one reaching past the saved array also
+  # holds a host piece that a tile inside it may not.
   need = max(_read_task_charge(src, g, _inside(g, src.shape), dtype, len(groups[key]))
-             for key in keys for g in [slicing.offset(slicing.from_pairs(key), tiles[0], shape)])
+             for rel in tiles for key in keys
+             for g in [slicing.offset(slicing.from_pairs(key), rel, shape)])
   need += sum(len(groups[key]) for key in keys) * piece_nbytes
   lanes = _lanes(src, keys, shape, MAX_READ_LANES if max_lanes is None else max_lanes, need)
   tasks = []
