@@ -727,7 +727,11 @@ def _lanes(src: Source, keys, shape, max_lanes: int, task_bytes: int) -> list[So
     if not lane.hold_decoders(wait=False):
       lane.close()
       break
-    if not src.ctx.limiter.try_acquire(task_bytes):  # a task still fits beside them?
+    try:
+      fits = src.ctx.limiter.try_acquire(task_bytes)  # a task still fits beside them?
+    except limiter_lib.RequestTooLargeError:
+      fits = False  # more than the whole capacity: one lane, as before lanes were sized
+    if not fits:
       lane.close()
       break
     src.ctx.limiter.release(task_bytes)
