@@ -32,6 +32,7 @@ import asyncio
 import collections
 import dataclasses
 import math
+import sys
 from typing import Any, Sequence
 
 import jax
@@ -52,25 +53,37 @@ from kd_ckpt import storage
 # How often the writer returns freed memory to the OS.  A trim costs about a
 # millisecond; every 8 commits keeps the overhead under 1% of a 1 MiB slice.
 TRIM_EVERY_COMMITS = 8
+# Slices this large are copied into buffers the save reuses (`_BufferPool`).
+# Below glibc's mmap threshold during an operation (`hostmem`, 1 MiB) malloc
+# already recycles its memory; above it every fresh buffer is a new mapping
+# whose pages the copy faults in one by one (2.2 GB of Gemma-like slices:
+# 2.1 s into fresh buffers, 0.4 s into reused ones, on this 2-core machine).
+POOL_MIN_BYTES = 1 << 20
 
 
-def to_host(data: jax.Array, box: slicing.Box, *, pinned: bool = False) -> np.ndarray:
-  """One slice of a single-device array, copied into a fresh host buffer.
+def to_host(data: jax.Array, box: slicing.Box, *, pinned: bool = False,
+            out: np.ndarray | None = None) -> np.ndarray:
+  """One slice of a single-device array, copied into a host buffer of its own.
 
   A whole shard goes through Orbax's own transfer
   (`replica_slices.transfer_arrays_to_host`), through pinned host memory
   when `pinned` (Orbax's `enable_pinned_host_transfer`) and the device has
   it.  A part of a shard is cut on the device, then transferred the same
-  way.  On the CPU backend the device buffer *is* host memory: a part is
-  read through a zero-copy view (no program compiled per slice), and every
-  slice is copied into its own buffer, which is exactly what a GPU host pays
-  (one host buffer per slice) -- no more, no less.
+  way.  On the CPU backend the device buffer *is* host memory: the slice is
+  read through a zero-copy view (no program compiled per slice) and copied
+  into `out` (a reused buffer of the slice's shape and dtype, see
+  `_BufferPool`) or a fresh one, which is exactly what a GPU host pays (one
+  host buffer per slice) -- no more, no less.  `out` is used on CPU only.
   """
   whole = all(s.start == 0 and s.stop == n for s, n in zip(box, data.shape))
   cpu = next(iter(data.devices())).platform == 'cpu'
-  if cpu and not whole:
+  if cpu and (out is not None or not whole):
     view = np.asarray(data)  # zero-copy on CPU; `data` is a per-shard array.
-    return np.array(view[box], copy=True, order='C')
+    part = view if whole else view[box]
+    if out is None:
+      return np.array(part, copy=True, order='C')
+    np.copyto(out, part)
+    return out
   # On an accelerator, a fresh device array even for a whole shard: the host
   # copy JAX caches on an array it converts (`_npy_value`) must die with the
   # slice, not live on the caller's shard.  On CPU that cache is a zero-copy
@@ -79,11 +92,11 @@ def to_host(data: jax.Array, box: slicing.Box, *, pinned: bool = False) -> np.nd
   [host] = compat.orbax.transfer_arrays_to_host(
       [piece], 0, False, min_slice_bytes_for_replica_parallel=None,
       max_replicas_for_replica_parallel=None, enable_pinned_host_transfer=pinned)
-  out = np.asarray(host.replica_slices[0].data())
-  if cpu and out.ctypes.data == piece.unsafe_buffer_pointer():
+  host = np.asarray(host.replica_slices[0].data())
+  if cpu and host.ctypes.data == piece.unsafe_buffer_pointer():
     # A view of the live device buffer: copy it, as a GPU host would.
-    out = np.array(out, copy=True, order='C')
-  return out
+    host = np.array(host, copy=True, order='C')
+  return host
 
 
 def write_context(*, remote: bool = False) -> ts.Context:
@@ -236,7 +249,7 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
     stores = await asyncio.gather(*[self.open_store(p.tspec, context) for p in batch])
     for p, t in zip(batch, stores):
       await self._write_array(p, t, pipeline)
-    await pipeline.drain()
+    await pipeline.drain(keep_pool=True)
     del stores
 
   async def _write_array(self, p: '_Prepared', t: ts.TensorStore, pipeline: '_Pipeline') -> None:
@@ -251,6 +264,7 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
                  shape=p.arr.shape, dtype=target_dtype)
       return
     interleaved = slicing.interleaved(p.chunk, p.local_shape, p.arr.shape)
+    cpu = next(iter(p.arr.devices())).platform == 'cpu'
     for rslice in p.rslices.replica_slices:
       data = rslice.unsliced_data
       base = [slice(0, n) for n in data.shape]
@@ -267,13 +281,21 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
             contiguous=slicing.contiguous(p.chunk, box) and not interleaved)
         if p.pinned:
           charge += nbytes  # the pinned staging copy, on hosts that have it
-        await pipeline.admit(charge)
+        # On CPU the slice is copied into a buffer the pipeline reuses; its
+        # charge then counts the buffer's capacity, not nbytes.
+        pooled = cpu and p.arr.dtype == target_dtype and nbytes >= POOL_MIN_BYTES
+        buf, charge = await pipeline.admit(charge, buffer_bytes=nbytes if pooled else None)
         # Until the slice is staged its charge is this loop's to give back:
         # a failed copy, cast, checksum or write must not shrink every later
         # save's limiter (the pipeline's abort releases only staged slices).
         staged = False
         try:
-          host = to_host(data, src_box, pinned=p.pinned)
+          out = None
+          if buf is not None:
+            shape = tuple(b.stop - b.start for b in box)
+            out = buf[:nbytes].view(data.dtype).reshape(shape)
+          host = to_host(data, src_box, pinned=p.pinned, out=out)
+          del out
           if host.dtype != target_dtype:
             host = host.astype(target_dtype)
           dst = slicing.offset(tuple(rslice.index), box, p.arr.shape)
@@ -281,14 +303,14 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
             sums.add(p.name, slicing.pairs(dst, p.arr.shape), host, path=p.name,
                      shape=p.arr.shape, dtype=target_dtype)
           if p.byte_limiter is None:
-            pipeline.write(t, dst, host, charge)
+            pipeline.write(t, dst, host, charge, base=buf)
             staged = True
           else:
             # The user's `save_concurrent_gb` (Orbax's byte limiter) bounds the
             # bytes being handed to TensorStore at once, as in stock Orbax.
             await p.byte_limiter.wait_for_bytes(nbytes)
             try:
-              staging = pipeline.write(t, dst, host, charge)
+              staging = pipeline.write(t, dst, host, charge, base=buf)
               staged = True
               await staging
             finally:
@@ -297,7 +319,7 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
           if not staged:
             pipeline.lim.release(charge)
           raise
-        del host
+        del host, buf
         await pipeline.maybe_flush()
 
 
@@ -308,9 +330,11 @@ class _Pipeline:
   and fsyncs, 4-15 ms here whatever its size), so 10,000 small leaves would
   cost 10,000 commits.  Slices are staged in a transaction until it holds
   `group_bytes`; it then commits in the background while the next one fills.
-  Each slice's charge is released when its transaction's commit is durable.
-  When the limiter has no room, the pipeline makes room itself (commits what
-  is staged, waits for the oldest commit) before waiting for other users.
+  Each slice's charge is released when its transaction's commit is durable,
+  except for its host buffer's, which moves to the pipeline's `_BufferPool`
+  when nothing else holds the buffer.  When the limiter has no room, the
+  pipeline makes room itself (frees the pool, commits what is staged, waits
+  for the oldest commit) before waiting for other users.
   """
 
   def __init__(self, lim: limiter_lib.HostLimiter, *, group_bytes: int,
@@ -328,16 +352,45 @@ class _Pipeline:
     self.staged_charge = 0
     self.commits: collections.deque = collections.deque()
     self.retired = 0
+    self.pool = _BufferPool(lim)
+    self.staged_bases: list[np.ndarray] = []
 
-  async def admit(self, charge: int) -> None:
-    while not self.lim.try_acquire(charge):
-      if self.staged:
+  async def admit(self, charge: int, *, buffer_bytes: int | None = None
+                  ) -> tuple[np.ndarray | None, int]:
+    """Waits until `charge` fits in the limiter; returns (buffer, charge held).
+
+    With `buffer_bytes` (part of `charge`: the slice's host buffer) the
+    slice gets a buffer from the pool, or a fresh one, and the charge held
+    counts that buffer's capacity instead; a pooled buffer's bytes are
+    already held, so only the rest is acquired.  Room is made cheapest
+    first: free the pool's oldest buffer, commit what is staged, wait for
+    the oldest commit, then wait for the save's other items.
+    """
+    buf = None
+    rest = charge if buffer_bytes is None else charge - buffer_bytes
+    while True:
+      if buffer_bytes is not None and buf is None:
+        buf = self.pool.take(buffer_bytes)
+      fresh = 0 if buffer_bytes is None or buf is not None else _BufferPool.capacity(buffer_bytes)
+      if self.lim.try_acquire(rest + fresh):
+        break
+      if self.pool.held_bytes:
+        self.pool.drop_oldest()
+      elif self.staged:
         await self.flush()
       elif self.commits:
         await self._retire()
       else:
-        await self.lim.acquire_async(charge)  # held by another item of the save
+        try:
+          await self.lim.acquire_async(rest + fresh)  # held by another item of the save
+        except BaseException:
+          if buf is not None:
+            self.lim.release(buf.nbytes)
+          raise
         break
+    if buffer_bytes is not None and buf is None:
+      buf = np.empty(fresh, np.uint8)  # pages are touched by the copy, not here
+    held = rest + (buf.nbytes if buf is not None else 0)
     # The charges model what TensorStore allocates per staged byte; RSS says
     # what it did.  Where the storage or the write pattern costs more than
     # modelled (e.g. an object store's upload buffers, chunk keys of several
@@ -345,8 +398,10 @@ class _Pipeline:
     # commits before the process passes the ceiling.
     trimmed = False
     while (self.rss_ceiling_bytes is not None
-           and hostmem.current_rss_bytes() + charge > self.rss_ceiling_bytes):
-      if self.staged:
+           and hostmem.current_rss_bytes() + held > self.rss_ceiling_bytes):
+      if self.pool.held_bytes:
+        self.pool.drop_oldest()
+      elif self.staged:
         await self.flush()
       elif self.commits:
         await self._retire()
@@ -355,14 +410,22 @@ class _Pipeline:
         trimmed = True
       else:
         break
+    return buf, held
 
-  def write(self, t: ts.TensorStore, dst, host: np.ndarray, charge: int):
-    """Stages `host` at `dst`; returns the staging future (awaiting it is optional)."""
+  def write(self, t: ts.TensorStore, dst, host: np.ndarray, charge: int, *,
+            base: np.ndarray | None = None):
+    """Stages `host` at `dst`; returns the staging future (awaiting it is optional).
+
+    `base`: the pooled buffer `host` views (its capacity is in `charge`), to
+    reuse once the commit is durable.
+    """
     if self.txn is None:
       self.txn = ts.Transaction(atomic=False)
     fut = t.with_transaction(self.txn)[dst].write(
         host, can_reference_source_data_indefinitely=True)
     self.staged.append(fut)
+    if base is not None:
+      self.staged_bases.append(base)
     self.staged_bytes += host.nbytes
     self.staged_charge += charge
     return fut
@@ -377,17 +440,21 @@ class _Pipeline:
     for f in self.staged:  # Staged in memory; nothing is on disk yet.
       await f
     self.commits.append((self.txn.commit_async(), self.staged_bytes,
-                         len(self.staged), self.staged_charge))
+                         len(self.staged), self.staged_charge, self.staged_bases))
     self.txn, self.staged, self.staged_bytes, self.staged_charge = None, [], 0, 0
+    self.staged_bases = []
     while len(self.commits) > self.max_commits:
       await self._retire()
 
   async def _retire(self) -> None:
-    fut, nbytes, nslices, charge = self.commits.popleft()
+    fut, nbytes, nslices, charge, bases = self.commits.popleft()
     try:
       await fut
-    finally:
+    except BaseException:
       self.lim.release(charge)
+      raise
+    # Durable: the buffers nothing else holds keep their bytes, in the pool.
+    self.lim.release(charge - self.pool.put_free(bases))
     self.stats.add(nbytes, nslices)
     self.retired += 1
     if self.retired % TRIM_EVERY_COMMITS == 0:
@@ -397,10 +464,13 @@ class _Pipeline:
     if self.progress is not None:
       self.progress.update(self.stats.bytes_written)
 
-  async def drain(self) -> None:
+  async def drain(self, *, keep_pool: bool = False) -> None:
+    """Commits everything; frees the pool unless `keep_pool` (more to write)."""
     await self.flush()
     while self.commits:
       await self._retire()
+    if not keep_pool:
+      self.pool.drop()
 
   async def abort(self) -> None:
     """Waits out every write and commit, ignoring their errors; releases all."""
@@ -414,14 +484,84 @@ class _Pipeline:
       self.txn = None
       self.lim.release(self.staged_charge)
       self.staged, self.staged_bytes, self.staged_charge = [], 0, 0
+      self.staged_bases = []
+    self.pool.drop()
     while self.commits:
-      fut, _, _, charge = self.commits.popleft()
+      fut, _, _, charge, _ = self.commits.popleft()
       try:
         await fut
       except Exception:  # pylint: disable=broad-exception-caught
         pass
       finally:
         self.lim.release(charge)
+
+
+class _BufferPool:
+  """Host slice buffers reused from one commit to the next, inside the limiter.
+
+  A buffer's bytes (its capacity) stay acquired in the limiter while it
+  waits here: a buffer is always paid for, in a slice's charge or in
+  `held_bytes`.  When a charge does not fit, the pipeline frees the oldest
+  buffers first, and it frees them all at the end of every save: a pool
+  never costs a save its depth and never outlives it.  A buffer is reused
+  only if nothing but the pipeline references it once its commit is
+  durable: a view TensorStore kept (a cache, a retry) leaves it a plain
+  buffer, never overwritten.
+
+  Fresh capacities are rounded up to 16 classes per doubling; a slice takes
+  the smallest free buffer of 1 to 2 times its size, and is charged for all
+  of it.
+  """
+
+  def __init__(self, lim: limiter_lib.HostLimiter):
+    self.lim = lim
+    self.free: list[np.ndarray] = []  # oldest first
+    self.held_bytes = 0
+    self.reused = 0
+
+  @staticmethod
+  def capacity(nbytes: int) -> int:
+    step = 1 << max(0, nbytes.bit_length() - 5)
+    return -(-nbytes // step) * step
+
+  def take(self, nbytes: int) -> np.ndarray | None:
+    best = None
+    for i, b in enumerate(self.free):
+      if nbytes <= b.nbytes <= 2 * nbytes and (best is None or b.nbytes < self.free[best].nbytes):
+        best = i
+    if best is None:
+      return None
+    buf = self.free.pop(best)
+    self.held_bytes -= buf.nbytes
+    self.reused += 1
+    return buf
+
+  def put_free(self, bases: list[np.ndarray]) -> int:
+    """Keeps the buffers only `bases` references; returns their bytes."""
+    # What a buffer nothing else holds counts: the list's entry and
+    # getrefcount's argument (measured on a fresh one, not assumed).
+    bases.append(np.empty(0, np.uint8))
+    own = sys.getrefcount(bases[-1])
+    bases.pop()
+    kept = 0
+    for i in range(len(bases)):
+      if sys.getrefcount(bases[i]) == own:
+        self.free.append(bases[i])
+        kept += bases[i].nbytes
+    bases.clear()
+    self.held_bytes += kept
+    return kept
+
+  def drop_oldest(self) -> None:
+    buf = self.free.pop(0)
+    self.held_bytes -= buf.nbytes
+    self.lim.release(buf.nbytes)
+
+  def drop(self) -> None:
+    self.free.clear()
+    held, self.held_bytes = self.held_bytes, 0
+    if held:
+      self.lim.release(held)
 
 
 @dataclasses.dataclass(frozen=True)
