@@ -4,7 +4,7 @@
 every host buffer through the process's host limiter before allocating it:
 a slice is copied to the host only once its bytes (and what TensorStore
 allocates for it while its OCDBT transaction commits, `cost.STAGED_FACTOR`)
-fit, and they are released when the commit is durable.  Whatever the state,
+fit, and they are released when the commit is done.  Whatever the state,
 the admitted bytes never exceed the budget less the fixed floor.
 
 Everything else is Orbax's own: the PyTree handler, `_METADATA`, `_sharding`,
@@ -48,17 +48,24 @@ from kd_ckpt import limiter as limiter_lib
 from kd_ckpt import reuse
 from kd_ckpt import slicing
 from kd_ckpt import storage
+from kd_ckpt import writeback as writeback_lib
 
 
 # How often the writer returns freed memory to the OS.  A trim costs about a
 # millisecond; every 8 commits keeps the overhead under 1% of a 1 MiB slice.
 TRIM_EVERY_COMMITS = 8
-# Slices this large are copied into buffers the save reuses (`_BufferPool`).
-# Below glibc's mmap threshold during an operation (`hostmem`, 1 MiB) malloc
-# already recycles its memory; above it every fresh buffer is a new mapping
-# whose pages the copy faults in one by one (2.2 GB of Gemma-like slices:
-# 2.1 s into fresh buffers, 0.4 s into reused ones, on this 2-core machine).
-POOL_MIN_BYTES = 1 << 20
+# On CPU, slices are copied into host buffers the save reuses (`_BufferPool`)
+# rather than fresh ones: a fresh buffer above glibc's mmap threshold during
+# an operation (`hostmem`, 1 MiB) is a new mapping whose pages the copy
+# faults in one by one (2.2 GB of Gemma-like shards: 2.1 s into fresh
+# buffers, 0.4 s into reused ones, on this 2-core machine).  Slices up to a
+# slab share slabs of `SLABS_PER_GROUP`-th of a group, so that every slab
+# fits every small slice; bigger ones get a buffer each.
+SLABS_PER_GROUP = 8
+SLAB_ALIGN_BYTES = 64
+# Smaller slices (a norm's scale, a step counter) are left to malloc, whose
+# arenas recycle them without a mapping, and go through Orbax's transfer.
+POOL_MIN_BYTES = 64 << 10
 
 
 def to_host(data: jax.Array, box: slicing.Box, *, pinned: bool = False,
@@ -99,13 +106,14 @@ def to_host(data: jax.Array, box: slicing.Box, *, pinned: bool = False,
   return host
 
 
-def write_context(*, remote: bool = False) -> ts.Context:
+def write_context(*, remote: bool = False, sync: bool = True) -> ts.Context:
   """One context per save: its leaves share one OCDBT database (one writer).
 
   The node cache is small: a save reads nothing back, and each commit leaves
   new node versions in it (Orbax's 100 MB default grew +60 MiB over 1 GB).
   On a bucket, a failed request is retried for about 40 s at most
-  (`storage.bucket_retries`).
+  (`storage.bucket_retries`).  `sync=False`: local files are not fsynced per
+  commit; the caller makes them durable (`writeback.Writeback`).
   """
   spec = {
       'file_io_concurrency': {'limit': 128},
@@ -113,6 +121,8 @@ def write_context(*, remote: bool = False) -> ts.Context:
   }
   if remote:
     spec['gcs_request_retries'] = storage.bucket_retries()
+  if not sync:
+    spec['file_io_sync'] = False
   return ts.Context(spec)
 
 
@@ -167,7 +177,12 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
     # in a background thread first.
     await self.directories_ready(infos)
     write_idx, reuse_job = await self.split_reused(arrays, infos, args)
-    context = (write_context(remote=storage.is_remote(infos[0].parent_dir))
+    remote = storage.is_remote(infos[0].parent_dir)
+    # One writer, on a local disk: one fsync pass at the end instead of
+    # TensorStore's fsyncs per commit (`writeback`).
+    wb = (writeback_lib.Writeback(str(infos[0].parent_dir))
+          if jax.process_count() == 1 and not remote else None)
+    context = (write_context(remote=remote, sync=wb is None)
                if jax.process_count() == 1 else infos[0].ts_context)
     lim = ctx.limiter
     progress = arrays_lib.Progress(ctx.progress_total_bytes) if ctx.progress_total_bytes else None
@@ -175,7 +190,8 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
       pipeline = _Pipeline(lim, group_bytes=max(ctx.slice_bytes, ctx.group_bytes),
                            stats=ctx.stats, progress=progress,
                            rss_ceiling_bytes=ctx.rss_ceiling_bytes or (
-                               hostmem.current_rss_bytes() + ctx.capacity_bytes))
+                               hostmem.current_rss_bytes() + ctx.capacity_bytes),
+                           writeback=wb)
       # The leaves' bookkeeping (Orbax's and TensorStore's, per leaf) lives
       # for the whole save: admitted first, released last.
       leaves = cost.leaves_charge(len(infos))
@@ -188,6 +204,8 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
           await self._write_batch(todo[start:start + cost.OPEN_BATCH_LEAVES],
                                   context, pipeline)
         await pipeline.drain()
+        if wb is not None:
+          await asyncio.to_thread(wb.finish)  # durable before Orbax renames it
       except BaseException:
         # A failed write (e.g. disk full) must not leave others running: they
         # would re-create the temporary directory after the caller removed it.
@@ -330,7 +348,7 @@ class _Pipeline:
   and fsyncs, 4-15 ms here whatever its size), so 10,000 small leaves would
   cost 10,000 commits.  Slices are staged in a transaction until it holds
   `group_bytes`; it then commits in the background while the next one fills.
-  Each slice's charge is released when its transaction's commit is durable,
+  Each slice's charge is released when its transaction has committed,
   except for its host buffer's, which moves to the pipeline's `_BufferPool`
   when nothing else holds the buffer.  When the limiter has no room, the
   pipeline makes room itself (frees the pool, commits what is staged, waits
@@ -339,8 +357,10 @@ class _Pipeline:
 
   def __init__(self, lim: limiter_lib.HostLimiter, *, group_bytes: int,
                stats: arrays_lib.SaveStats, progress=None, max_commits: int = 1,
-               rss_ceiling_bytes: int | None = None):
+               rss_ceiling_bytes: int | None = None,
+               writeback: writeback_lib.Writeback | None = None):
     self.lim = lim
+    self.writeback = writeback
     self.rss_ceiling_bytes = rss_ceiling_bytes
     self.group_bytes = group_bytes
     self.stats = stats
@@ -352,7 +372,12 @@ class _Pipeline:
     self.staged_charge = 0
     self.commits: collections.deque = collections.deque()
     self.retired = 0
-    self.pool = _BufferPool(lim)
+    self.pool = _BufferPool(lim, slab_bytes=max(
+        SLAB_ALIGN_BYTES, group_bytes // SLABS_PER_GROUP // SLAB_ALIGN_BYTES * SLAB_ALIGN_BYTES))
+    # The slab this group's small slices are cut from: its bytes are in
+    # `staged_charge`, it is in `staged_bases`, and it closes with the group.
+    self.slab: np.ndarray | None = None
+    self.slab_used = 0
     self.staged_bases: list[np.ndarray] = []
 
   async def admit(self, charge: int, *, buffer_bytes: int | None = None
@@ -360,18 +385,48 @@ class _Pipeline:
     """Waits until `charge` fits in the limiter; returns (buffer, charge held).
 
     With `buffer_bytes` (part of `charge`: the slice's host buffer) the
-    slice gets a buffer from the pool, or a fresh one, and the charge held
-    counts that buffer's capacity instead; a pooled buffer's bytes are
-    already held, so only the rest is acquired.  Room is made cheapest
+    slice gets a uint8 buffer of at least that many bytes, and the charge
+    held counts the buffer that really holds them: a piece of the group's
+    slab (charged to the group), or a buffer of its own, reused from the
+    pool (its bytes are held already) or fresh.  Room is made cheapest
     first: free the pool's oldest buffer, commit what is staged, wait for
     the oldest commit, then wait for the save's other items.
     """
-    buf = None
     rest = charge if buffer_bytes is None else charge - buffer_bytes
+    slab_bytes = self.pool.slab_bytes
+    if buffer_bytes is not None and rest + max(buffer_bytes, slab_bytes) > (
+        self.lim.capacity_bytes or 0):
+      buffer_bytes, rest = None, charge  # a tiny budget: the plain charge only
+    # The charges model what TensorStore allocates per staged byte; RSS says
+    # what it did.  Where the storage or the write pattern costs more than
+    # modelled (e.g. an object store's upload buffers, chunk keys of several
+    # shards interleaving in OCDBT's B-tree), the pipeline drains its own
+    # commits before the process passes the ceiling.  (Before a slab is cut:
+    # a piece of it must be staged in the slab's own group.)
+    trimmed = False
+    while (self.rss_ceiling_bytes is not None
+           and hostmem.current_rss_bytes() + charge > self.rss_ceiling_bytes):
+      if self.pool.held_bytes:
+        self.pool.drop_oldest()
+      elif self.staged:
+        await self.flush()
+      elif self.commits:
+        await self._retire()
+      elif not trimmed:
+        hostmem.release_free_memory()
+        trimmed = True
+      else:
+        break
+    small = buffer_bytes is not None and buffer_bytes <= slab_bytes
+    taken = None  # a pool buffer taken for this slice: its bytes are held
     while True:
-      if buffer_bytes is not None and buf is None:
-        buf = self.pool.take(buffer_bytes)
-      fresh = 0 if buffer_bytes is None or buf is not None else _BufferPool.capacity(buffer_bytes)
+      cut = small and self.slab is not None and (
+          self.slab_used + buffer_bytes <= self.slab.nbytes)
+      if buffer_bytes is not None and not cut and taken is None:
+        taken = self.pool.take(slab_bytes if small else buffer_bytes, exact=small)
+      fresh = 0
+      if buffer_bytes is not None and not cut and taken is None:
+        fresh = slab_bytes if small else buffer_bytes
       if self.lim.try_acquire(rest + fresh):
         break
       if self.pool.held_bytes:
@@ -384,47 +439,42 @@ class _Pipeline:
         try:
           await self.lim.acquire_async(rest + fresh)  # held by another item of the save
         except BaseException:
-          if buf is not None:
-            self.lim.release(buf.nbytes)
+          if taken is not None:
+            self.lim.release(taken.nbytes)
           raise
         break
-    if buffer_bytes is not None and buf is None:
-      buf = np.empty(fresh, np.uint8)  # pages are touched by the copy, not here
-    held = rest + (buf.nbytes if buf is not None else 0)
-    # The charges model what TensorStore allocates per staged byte; RSS says
-    # what it did.  Where the storage or the write pattern costs more than
-    # modelled (e.g. an object store's upload buffers, chunk keys of several
-    # shards interleaving in OCDBT's B-tree), the pipeline drains its own
-    # commits before the process passes the ceiling.
-    trimmed = False
-    while (self.rss_ceiling_bytes is not None
-           and hostmem.current_rss_bytes() + held > self.rss_ceiling_bytes):
-      if self.pool.held_bytes:
-        self.pool.drop_oldest()
-      elif self.staged:
-        await self.flush()
-      elif self.commits:
-        await self._retire()
-      elif not trimmed:
-        hostmem.release_free_memory()
-        trimmed = True
+    buf, held = None, rest
+    if buffer_bytes is not None:
+      if cut:
+        buf = self.slab[self.slab_used:self.slab_used + buffer_bytes]
       else:
-        break
+        new = taken if taken is not None else np.empty(fresh, np.uint8)  # touched by the copy
+        if small:
+          # A new slab for the group: charged to it, released when it retires.
+          self.slab, self.slab_used = new, 0
+          self.staged_bases.append(new)
+          self.staged_charge += new.nbytes
+          buf = new[:buffer_bytes]
+        else:
+          buf, held = new, rest + new.nbytes
+      if small:
+        self.slab_used += -(-buffer_bytes // SLAB_ALIGN_BYTES) * SLAB_ALIGN_BYTES
     return buf, held
 
   def write(self, t: ts.TensorStore, dst, host: np.ndarray, charge: int, *,
             base: np.ndarray | None = None):
     """Stages `host` at `dst`; returns the staging future (awaiting it is optional).
 
-    `base`: the pooled buffer `host` views (its capacity is in `charge`), to
-    reuse once the commit is durable.
+    `base`: the buffer from `admit` that `host` views.  A buffer of the
+    slice's own (its capacity is in `charge`) is reused once the commit is
+    durable; a piece of a slab is the slab's (already tracked).
     """
     if self.txn is None:
       self.txn = ts.Transaction(atomic=False)
     fut = t.with_transaction(self.txn)[dst].write(
         host, can_reference_source_data_indefinitely=True)
     self.staged.append(fut)
-    if base is not None:
+    if base is not None and base.base is None:  # its own buffer, not a slab's piece
       self.staged_bases.append(base)
     self.staged_bytes += host.nbytes
     self.staged_charge += charge
@@ -435,7 +485,12 @@ class _Pipeline:
       await self.flush()
 
   async def flush(self) -> None:
+    self.slab = None  # the group's slab closes with it
     if self.txn is None:
+      # Nothing staged, but a slab may have been opened for a slice that
+      # then failed: back to the pool (or freed).
+      self.lim.release(self.staged_charge - self.pool.put_free(self.staged_bases))
+      self.staged_charge = 0
       return
     for f in self.staged:  # Staged in memory; nothing is on disk yet.
       await f
@@ -453,8 +508,12 @@ class _Pipeline:
     except BaseException:
       self.lim.release(charge)
       raise
-    # Durable: the buffers nothing else holds keep their bytes, in the pool.
+    # Committed: the buffers nothing else holds keep their bytes, in the pool.
     self.lim.release(charge - self.pool.put_free(bases))
+    if self.writeback is not None:
+      # Written to the page cache only: start its writeback, and wait for
+      # the previous commit's, so dirty memory stays about two commits.
+      await asyncio.to_thread(self.writeback.started)
     self.stats.add(nbytes, nslices)
     self.retired += 1
     if self.retired % TRIM_EVERY_COMMITS == 0:
@@ -485,6 +544,10 @@ class _Pipeline:
       self.lim.release(self.staged_charge)
       self.staged, self.staged_bytes, self.staged_charge = [], 0, 0
       self.staged_bases = []
+    elif self.staged_charge:  # a slab opened, nothing written
+      self.lim.release(self.staged_charge)
+      self.staged_charge, self.staged_bases = 0, []
+    self.slab = None
     self.pool.drop()
     while self.commits:
       fut, _, _, charge, _ = self.commits.popleft()
@@ -500,34 +563,31 @@ class _BufferPool:
   """Host slice buffers reused from one commit to the next, inside the limiter.
 
   A buffer's bytes (its capacity) stay acquired in the limiter while it
-  waits here: a buffer is always paid for, in a slice's charge or in
-  `held_bytes`.  When a charge does not fit, the pipeline frees the oldest
-  buffers first, and it frees them all at the end of every save: a pool
-  never costs a save its depth and never outlives it.  A buffer is reused
-  only if nothing but the pipeline references it once its commit is
+  waits here: a buffer is always paid for, in a slice's or a group's charge,
+  or in `held_bytes`.  When a charge does not fit, the pipeline frees the
+  oldest buffers first, and it frees them all at the end of every save: a
+  pool never costs a save its depth and never outlives it.  A buffer is
+  reused only if nothing but the pipeline references it once its commit is
   durable: a view TensorStore kept (a cache, a retry) leaves it a plain
   buffer, never overwritten.
 
-  Fresh capacities are rounded up to 16 classes per doubling; a slice takes
-  the smallest free buffer of 1 to 2 times its size, and is charged for all
-  of it.
+  Two kinds: slabs of `slab_bytes` (any of them fits any small slice), and
+  buffers of a big slice's size; a big slice takes the smallest free
+  buffer of 1 to 2 times its size, and is charged for all of it.
   """
 
-  def __init__(self, lim: limiter_lib.HostLimiter):
+  def __init__(self, lim: limiter_lib.HostLimiter, *, slab_bytes: int):
     self.lim = lim
+    self.slab_bytes = slab_bytes
     self.free: list[np.ndarray] = []  # oldest first
     self.held_bytes = 0
     self.reused = 0
 
-  @staticmethod
-  def capacity(nbytes: int) -> int:
-    step = 1 << max(0, nbytes.bit_length() - 5)
-    return -(-nbytes // step) * step
-
-  def take(self, nbytes: int) -> np.ndarray | None:
+  def take(self, nbytes: int, *, exact: bool = False) -> np.ndarray | None:
     best = None
     for i, b in enumerate(self.free):
-      if nbytes <= b.nbytes <= 2 * nbytes and (best is None or b.nbytes < self.free[best].nbytes):
+      if (b.nbytes == nbytes if exact else nbytes <= b.nbytes <= 2 * nbytes) and (
+          best is None or b.nbytes < self.free[best].nbytes):
         best = i
     if best is None:
       return None

@@ -370,8 +370,8 @@ def test_slice_buffers_are_reused_only_once_nothing_else_holds_them(tmp_path, mo
       held.append((host, host.copy()))  # a reference the writer does not own
     return real_write(self, t, dst, host, charge, **kwargs)
 
-  def take(self, nbytes):
-    buf = real_take(self, nbytes)
+  def take(self, nbytes, **kwargs):
+    buf = real_take(self, nbytes, **kwargs)
     reused.append(buf is not None)
     return buf
 
@@ -387,3 +387,39 @@ def test_slice_buffers_are_reused_only_once_nothing_else_holds_them(tmp_path, mo
   got = kd_ckpt.restore(tmp_path / 'c')
   for k in tree:
     assert np.asarray(got[k]).tobytes() == np.asarray(tree[k]).tobytes()
+
+
+def test_a_local_save_fsyncs_every_file_once_before_it_is_renamed(tmp_path, monkeypatch):
+  """Commits are not fsynced one by one (TensorStore's `file_io_sync` is off);
+  the writer starts each commit's writeback, and fsyncs every file and
+  directory of its database while the checkpoint is still temporary."""
+  from kd_ckpt import writeback  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  fsynced, started = [], []
+  real_fsync, real_range = os.fsync, writeback._range
+
+  def fsync(fd):
+    fsynced.append(os.readlink(f'/proc/self/fd/{fd}'))
+    return real_fsync(fd)
+
+  def sync_range(path, flags):
+    started.append((path, flags))
+    return real_range(path, flags)
+
+  monkeypatch.setattr(os, 'fsync', fsync)
+  monkeypatch.setattr(writeback, '_range', sync_range)
+  tree = {'w': jnp.arange(16 << 20, dtype=jnp.float32).reshape(4096, 4096),
+          'b': jnp.ones((3, 5), jnp.bfloat16)}
+  kd_ckpt.save(tmp_path / 'c', tree, strategy='streaming', host_ram_budget=48 << 20)
+  final = tmp_path / 'c'
+  db = [p for p in final.rglob('*') if p.is_file() and (
+      p.name == 'manifest.ocdbt' or p.parent.name == 'd')]
+  assert any(p.parent.name == 'd' for p in db), sorted(map(str, db))
+  tmp_dirs = {os.path.dirname(f) for f in fsynced if '.orbax-checkpoint-tmp' in f}
+  assert tmp_dirs, fsynced[:5]  # fsynced while still temporary
+  done = {f.split('.orbax-checkpoint-tmp', 1)[1] for f in fsynced if '.orbax-checkpoint-tmp' in f}
+  for p in db:
+    rel = str(p).split(str(final), 1)[1]
+    assert rel in done, (rel, sorted(done)[:10])
+  assert sum(1 for _, flags in started if flags == writeback._WRITE) >= 2
+  assert np.asarray(kd_ckpt.restore(final)['w']).tobytes() == np.asarray(tree['w']).tobytes()

@@ -1,0 +1,159 @@
+"""Streaming save, now against its earlier self, alternating in one process (issue 20).
+
+The disk here is noisy (dd of the same bytes: 1.1-8 s from one minute to the
+next), so variants are compared rep by rep in one process, with `dd
+conv=fsync` of the same bytes before each rep:
+
+  now             the streaming writer as it is
+  fsync/commit    TensorStore fsyncs every commit (`file_io_sync` on), as
+                  before `kd_ckpt.writeback`
+  before          that, and every slice copied into a fresh host buffer
+                  (no `_BufferPool`): the writer at 9506c6a
+
+Besides seconds: the process's CPU seconds (user + system), the device's
+cache flushes and write requests (/proc/diskstats), and the seconds spent in
+the device-to-host copies (`streaming.to_host`).  The "before" variants are
+made by patching the writer from here; the product has no switch for them.
+
+  .venv/bin/python bench/ab_save.py --state gemma_gb --reps 3 --out bench/results/ab_save.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import types
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, 'bench'))
+VARIANTS = ('now', 'fsync/commit', 'before')
+
+
+def _disk(root: str):
+  """(bytes written, write requests, flushes) of the device holding root."""
+  dev = os.stat(root).st_dev
+  major, minor = os.major(dev), os.minor(dev)
+  for line in open('/proc/diskstats'):
+    x = line.split()
+    if int(x[0]) == major and int(x[1]) in (minor, minor & ~0xf):
+      return int(x[9]) * 512, int(x[7]), int(x[18]) if len(x) > 18 else 0
+  return 0, 0, 0
+
+
+def _patch(variant: str, streaming):
+  """Applies a variant; returns its undo."""
+  undo = []
+  if variant in ('fsync/commit', 'before'):
+    old = streaming.writeback_lib
+    streaming.writeback_lib = types.SimpleNamespace(Writeback=lambda root: None)
+    undo.append(lambda: setattr(streaming, 'writeback_lib', old))
+  if variant == 'before':
+    admit = streaming._Pipeline.admit  # pylint: disable=protected-access
+
+    async def plain(self, charge, buffer_bytes=None):
+      del buffer_bytes
+      return await admit(self, charge)
+    streaming._Pipeline.admit = plain  # pylint: disable=protected-access
+    undo.append(lambda: setattr(streaming._Pipeline, 'admit', admit))  # pylint: disable=protected-access
+  return lambda: [u() for u in undo]
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument('--state', default='gemma_gb', choices=('gemma_gb', 'big'))
+  ap.add_argument('--gb', type=float, default=None, help='state size (default: the bench\'s)')
+  ap.add_argument('--budget', default='256MiB')
+  ap.add_argument('--reps', type=int, default=3)
+  ap.add_argument('--dir', default=None, help='where to write (default: a temp dir)')
+  ap.add_argument('--out', default=None, help='also write the table to this file')
+  args = ap.parse_args(argv)
+  os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  import kd_ckpt  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import startup, streaming  # pylint: disable=g-import-not-at-top
+  import workloads  # pylint: disable=g-import-not-at-top
+
+  startup.start_compiler()
+  total = int(args.gb * 1e9) if args.gb else (
+      workloads.GEMMA_GB_BYTES if args.state == 'gemma_gb' else workloads.BIG_BYTES)
+  state = workloads.build_gb_state(jax, args.state, total)
+  nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+  root = tempfile.mkdtemp(dir=args.dir, prefix='kd_ab_')
+  copy_secs = collections.Counter()
+  real_to_host = streaming.to_host
+
+  def to_host(*a, **k):
+    t = time.perf_counter()
+    try:
+      return real_to_host(*a, **k)
+    finally:
+      copy_secs['s'] += time.perf_counter() - t
+  streaming.to_host = to_host
+  rows = collections.defaultdict(list)
+  try:
+    kd_ckpt.save(os.path.join(root, 'warm'), {'x': np.ones(4)}, strategy='streaming')
+    for rep in range(args.reps):
+      f = os.path.join(root, 'dd.bin')
+      d0, t = _disk(root), time.perf_counter()
+      subprocess.run(['dd', 'if=/dev/zero', f'of={f}', 'bs=1M', f'count={nbytes >> 20}',
+                      'conv=fsync'], check=True, capture_output=True)
+      secs, d1 = time.perf_counter() - t, _disk(root)
+      rows['dd'].append((secs, 0.0, d1[2] - d0[2], d1[1] - d0[1], 0.0))
+      os.remove(f)
+      order = VARIANTS if rep % 2 == 0 else VARIANTS[::-1]
+      for v in order:
+        undo = _patch(v, streaming)
+        path = os.path.join(root, f'c{rep}_{v.replace("/", "_")}')
+        copy_secs.clear()
+        c0, d0, t = os.times(), _disk(root), time.perf_counter()
+        try:
+          kd_ckpt.save(path, state, strategy='streaming', host_ram_budget=args.budget)
+        finally:
+          undo()
+        secs, c1, d1 = time.perf_counter() - t, os.times(), _disk(root)
+        cpu = (c1.user - c0.user) + (c1.system - c0.system)
+        rows[v].append((secs, cpu, d1[2] - d0[2], d1[1] - d0[1], copy_secs['s']))
+        print(f'rep {rep} {v}: {secs:.2f} s, dd {rows["dd"][-1][0]:.2f} s', flush=True)
+        shutil.rmtree(path)
+  finally:
+    streaming.to_host = real_to_host
+    shutil.rmtree(root, ignore_errors=True)
+
+  med = lambda v, i: float(np.median([r[i] for r in rows[v]]))
+  lines = [
+      f'<!-- .venv/bin/python bench/ab_save.py --state {args.state} --budget {args.budget}'
+      f' --reps {args.reps} -->',
+      f'{args.state}: {nbytes / 1e9:.2f} GB, {len(jax.tree.leaves(state))} leaves,'
+      f' {len(jax.devices())} devices, streaming at {args.budget}, {os.cpu_count()} cores;'
+      f' medians of {args.reps} alternating reps (each rep: dd, then the variants).',
+      '',
+      '| variant | save s (each rep) | median s | x dd (throughput) | x before |'
+      ' process CPU s | device flushes | write requests | to_host s |',
+      '| --- | --- | --- | --- | --- | --- | --- | --- | --- |']
+  for v in ('dd',) + VARIANTS:
+    each = ' / '.join(f'{r[0]:.2f}' for r in rows[v])
+    cpu, copy = ('-', '-') if v == 'dd' else (f'{med(v, 1):.2f}', f'{med(v, 4):.2f}')
+    lines.append(
+        f'| {v} | {each} | {med(v, 0):.2f} | {med("dd", 0) / med(v, 0):.2f} |'
+        f' {med(v, 0) / med("before", 0):.2f} | {cpu} | {med(v, 2):.0f} |'
+        f' {med(v, 3):.0f} | {copy} |')
+  text = '\n'.join(lines) + '\n'
+  print(text)
+  if args.out:
+    with open(args.out, 'w') as fh:
+      fh.write(text)
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
