@@ -15,8 +15,9 @@ its commits waited on each.  A streaming save instead writes with
     before when it becomes visible, and a crash before that leaves only a
     temporary directory, as always.
 
-Measured (Gemma-like 2.2 GB, 256 MiB, same process, alternating): see
-`bench/profile_save.py` and the README's speed section.
+Measured with `bench/ab_save.py` (Gemma-like 2.2 GB at 256 MiB, alternating
+in one process): 166 device flushes per save with fsync per commit, 58 with
+this; 10.29 s against 8.92 s (median of 3).
 
 Example:
 
