@@ -512,8 +512,9 @@ class _Pipeline:
     self.lim.release(charge - self.pool.put_free(bases))
     if self.writeback is not None:
       # Written to the page cache only: start its writeback, and wait for
-      # the previous commit's, so dirty memory stays about two commits.
-      await asyncio.to_thread(self.writeback.started)
+      # the previous start's, so dirty memory stays about two commits (or
+      # 2 x `writeback.START_EVERY_BYTES`).
+      await asyncio.to_thread(self.writeback.committed, nbytes)
     self.stats.add(nbytes, nslices)
     self.retired += 1
     if self.retired % TRIM_EVERY_COMMITS == 0:

@@ -6,10 +6,11 @@ the whole device: a 2.2 GB Gemma-like save at 256 MiB made ~175 of them, and
 its commits waited on each.  A streaming save instead writes with
 `file_io_sync: false` and, through `Writeback`:
 
-  * after each commit, asks the kernel to start writing the new bytes
-    (`sync_file_range(SYNC_FILE_RANGE_WRITE)`), and waits until the previous
-    commit's bytes are written (no device flush): dirty page cache stays
-    bounded by about two commits, as with fsync;
+  * after each commit (at most every `START_EVERY_BYTES`), asks the kernel
+    to start writing the new bytes (`sync_file_range(SYNC_FILE_RANGE_WRITE)`),
+    and waits until the bytes it started last time are written (no device
+    flush): dirty page cache stays bounded by about two commits, as with
+    fsync;
   * at the end, fsyncs every file and directory under the checkpoint, before
     Orbax renames the temporary directory: the checkpoint is as durable as
     before when it becomes visible, and a crash before that leaves only a
@@ -23,7 +24,7 @@ Example:
 
   wb = writeback.Writeback('/ckpt/step_10.orbax-checkpoint-tmp/default')
   ...  # after each commit:
-  wb.started()
+  wb.committed(nbytes)
   ...  # when every array is written:
   wb.finish()
 """
@@ -34,8 +35,14 @@ import ctypes
 import ctypes.util
 import os
 
+from kd_ckpt import storage
+
 # <linux/fs.h>
 _WAIT_BEFORE, _WRITE, _WAIT_AFTER = 1, 2, 4
+# Writeback is started once this many bytes were committed since the last
+# start (and at the end): a save of many small leaves, with many small
+# commits, does not walk its directory after each of them.
+START_EVERY_BYTES = 64 << 20
 
 
 def _libc_sync_file_range():
@@ -68,10 +75,21 @@ class Writeback:
   """
 
   def __init__(self, root: str):
+    if storage.is_remote(root):
+      raise ValueError(f'Writeback is for local directories, not {root!r}:'
+                       ' a bucket makes its writes durable itself.')
     self.root = root
     self._started: dict[str, int] = {}  # path -> bytes whose writeback was started
     self._last: list[str] = []          # files started at the previous call
+    self._pending_bytes = 0
     self.fsynced = 0
+
+  def committed(self, nbytes: int) -> None:
+    """After a commit of nbytes: starts writeback every `START_EVERY_BYTES`."""
+    self._pending_bytes += nbytes
+    if self._pending_bytes >= START_EVERY_BYTES:
+      self._pending_bytes = 0
+      self.started()
 
   def started(self) -> None:
     """Waits for the previous call's writes; starts writing what is new."""
@@ -94,7 +112,10 @@ class Writeback:
     """fsyncs every file, then every directory (deepest first), under root."""
     files, dirs = _walk(self.root)
     for path in files + sorted(dirs, key=len, reverse=True):
-      fd = os.open(path, os.O_RDONLY)
+      try:
+        fd = os.open(path, os.O_RDONLY)
+      except FileNotFoundError:
+        continue  # another writer's lock or temporary file, gone since
       try:
         os.fsync(fd)
       finally:

@@ -18,7 +18,9 @@ from kd_ckpt import storage
 PKG = pathlib.Path(storage.__file__).parent
 # Modules that touch no checkpoint path: host memory probes (/proc, cgroups)
 # and the CLI's stdout redirection (/dev/null).
-NOT_CHECKPOINT_PATHS = {'hostmem.py', '__main__.py'}
+# writeback.py: fsync and sync_file_range on a local disk, which epath has no
+# call for; it refuses a bucket path itself (test_writeback_refuses_a_bucket).
+NOT_CHECKPOINT_PATHS = {'hostmem.py', '__main__.py', 'writeback.py'}
 # Path-free helpers of `os` (names, strings, the environment).
 ALLOWED_OS = {'fspath', 'environ', 'getcwd', 'sep', 'getpid', 'cpu_count', 'sysconf',
               'PathLike', 'devnull', 'dup2', 'O_WRONLY', 'getenv'}
@@ -122,3 +124,9 @@ def test_checkpoints_without_ocdbt_restore_when_a_chunk_is_bigger_than_a_piece(t
     c.save(d, args=ocp.args.PyTreeSave(tree))
   back = kd_ckpt.restore(d, host_ram_budget=40 << 20)  # pieces far below the 16 MiB chunk
   assert np.asarray(back['big']).tobytes() == np.asarray(tree['big']).tobytes()
+
+
+def test_writeback_refuses_a_bucket():
+  from kd_ckpt import writeback  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match='local'):
+    writeback.Writeback('gs://b/ckpt')
