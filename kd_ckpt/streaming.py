@@ -435,13 +435,12 @@ class _Pipeline:
         await self.flush()
       elif self.commits:
         await self._retire()
+      elif taken is not None:
+        # Wait for another item holding nothing but what this slice needs.
+        self.lim.release(taken.nbytes)
+        taken = None
       else:
-        try:
-          await self.lim.acquire_async(rest + fresh)  # held by another item of the save
-        except BaseException:
-          if taken is not None:
-            self.lim.release(taken.nbytes)
-          raise
+        await self.lim.acquire_async(rest + fresh)  # held by another item of the save
         break
     buf, held = None, rest
     if buffer_bytes is not None:
