@@ -23,8 +23,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import logging
 from typing import Any, Callable
 
 from etils import epath
@@ -54,6 +56,21 @@ USE_OCDBT = True
 USE_ZARR3 = False
 _STOCK_HANDLER = ocp.StandardCheckpointHandler
 _HOST_TYPES = (np.ndarray, np.number, int, float)
+
+
+@contextlib.contextmanager
+def _quiet_absl(message: str):
+  """Drops absl log records whose format string contains `message`, meanwhile."""
+
+  def keep(record: logging.LogRecord) -> bool:
+    return message not in str(record.msg)
+
+  logger = logging.getLogger('absl')
+  logger.addFilter(keep)
+  try:
+    yield
+  finally:
+    logger.removeFilter(keep)
 
 
 def registry(array_handler, numpy_handler) -> Any:
@@ -215,7 +232,15 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
         enable_post_merge_validation=False,
         type_handler_registry=registry(arrays_lib.KdArrayHandler(),
                                        arrays_lib.KdNumpyHandler()))
-    finalizer.finalize(directory)
+    if self._use_ocdbt and not any(directory.glob('ocdbt.process_*')):
+      # One process wrote straight into the root database
+      # (`streaming.ocdbt_subdir`) and no host value needed Orbax's writer:
+      # Orbax's merge finds nothing to merge, as intended, and would warn
+      # about it on every save.
+      with _quiet_absl('Skipping merge of OCDBT checkpoints'):
+        finalizer.finalize(directory)
+    else:
+      finalizer.finalize(directory)
     if self._use_ocdbt and ocp.multihost.is_primary_host(self._mp.primary_host):
       reuse_lib.prune(directory)
       check_arrays_present(directory)

@@ -143,6 +143,28 @@ def test_streaming_output_is_a_stock_orbax_checkpoint(tmp_path):
     assert meta_ours['tree_metadata'][k]['value_metadata']['value_type'] == v['value_metadata']['value_type'], k
 
 
+
+@pytest.mark.parametrize('with_host_leaf', [False, True])
+def test_a_streaming_save_logs_no_warning(tmp_path, with_host_leaf):
+  """All-jax trees go straight into the root database, so Orbax's merge has
+  nothing to merge; it must not warn about that on every save.  A numpy leaf
+  goes through Orbax's writer and its per-process database, merged as usual."""
+  import logging  # pylint: disable=g-import-not-at-top
+  records = []
+  handler = logging.Handler(level=logging.WARNING)
+  handler.emit = records.append
+  logging.getLogger('absl').addHandler(handler)
+  tree = {'a': jax.numpy.arange(1024, dtype=np.float32)}
+  if with_host_leaf:
+    tree['h'] = np.arange(16, dtype=np.int32)
+  try:
+    kd_ckpt.save(tmp_path / 'c', tree, host_ram_budget=64 * MiB, strategy='streaming')
+  finally:
+    logging.getLogger('absl').removeHandler(handler)
+  assert [r.getMessage() for r in records] == []
+  assert any(p.name.startswith('ocdbt.process_') for p in (tmp_path / 'c').iterdir()) == with_host_leaf
+  _assert_equal(tree, ocp.StandardCheckpointer().restore(tmp_path / 'c', _abstract(tree)))
+
 def test_zero_size_arrays_orbax_refuses_streaming_stores(tmp_path):
   tree = {'empty': jax.numpy.zeros((0, 4)), 'x': jax.numpy.ones((3,))}
   with pytest.raises(ValueError, match='zero size'):
