@@ -403,6 +403,22 @@ class _Pipeline:
     self.slab_used = 0
     self.staged_bases: list[np.ndarray] = []
 
+  async def _make_room(self) -> bool:
+    """Frees the cheapest bytes this save holds; False if it holds none.
+
+    In order: the pool's oldest free buffer, then what is staged (committed
+    now), then the oldest commit (waited for).
+    """
+    if self.pool.held_bytes:
+      self.pool.drop_oldest()
+    elif self.staged:
+      await self.flush()
+    elif self.commits:
+      await self._retire()
+    else:
+      return False
+    return True
+
   async def admit(self, charge: int, *, buffer_bytes: int | None = None
                   ) -> tuple[np.ndarray | None, int]:
     """Waits until `charge` fits in the limiter; returns (buffer, charge held).
@@ -429,17 +445,12 @@ class _Pipeline:
     trimmed = False
     while (self.rss_ceiling_bytes is not None
            and hostmem.current_rss_bytes() + charge > self.rss_ceiling_bytes):
-      if self.pool.held_bytes:
-        self.pool.drop_oldest()
-      elif self.staged:
-        await self.flush()
-      elif self.commits:
-        await self._retire()
-      elif not trimmed:
-        hostmem.release_free_memory()
-        trimmed = True
-      else:
+      if await self._make_room():
+        continue
+      if trimmed:
         break
+      hostmem.release_free_memory()
+      trimmed = True
     small = buffer_bytes is not None and buffer_bytes <= slab_bytes
     taken = None  # a pool buffer taken for this slice: its bytes are held
     while True:
@@ -452,19 +463,15 @@ class _Pipeline:
         fresh = slab_bytes if small else buffer_bytes
       if self.lim.try_acquire(rest + fresh):
         break
-      if self.pool.held_bytes:
-        self.pool.drop_oldest()
-      elif self.staged:
-        await self.flush()
-      elif self.commits:
-        await self._retire()
-      elif taken is not None:
+      if await self._make_room():
+        continue
+      if taken is not None:
         # Wait for another item holding nothing but what this slice needs.
         self.lim.release(taken.nbytes)
         taken = None
-      else:
-        await self.lim.acquire_async(rest + fresh)  # held by another item of the save
-        break
+        continue
+      await self.lim.acquire_async(rest + fresh)  # held by another item of the save
+      break
     buf, held = None, rest
     if buffer_bytes is not None:
       if cut:
