@@ -5,11 +5,8 @@ next), so variants are compared rep by rep in one process, with `dd
 conv=fsync` of the same bytes before each rep:
 
   now             the streaming writer as it is
-  sequential open each batch of 256 leaves' stores opened before its data
-                  is written, and committed before the next batch opens:
-                  the writer at 5ca41f9
-  fsync/commit    that, and TensorStore fsyncs every commit (`file_io_sync`
-                  on), as before `kd_ckpt.writeback`
+  fsync/commit    TensorStore fsyncs every commit (`file_io_sync` on), as
+                  before `kd_ckpt.writeback`
   before          that, and every slice copied into a fresh host buffer
                   (no `_BufferPool`): the writer at 9506c6a
 
@@ -24,7 +21,6 @@ made by patching the writer from here; the product has no switch for them.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import collections
 import os
 import shutil
@@ -37,7 +33,7 @@ import types
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, 'bench'))
-VARIANTS = ('now', 'sequential open', 'fsync/commit', 'before')
+VARIANTS = ('now', 'fsync/commit', 'before')
 
 
 def _disk(root: str):
@@ -54,20 +50,6 @@ def _disk(root: str):
 def _patch(variant: str, streaming):
   """Applies a variant; returns its undo."""
   undo = []
-  if variant != 'now':
-    write_leaves = streaming.StreamingArrayHandler._write_leaves  # pylint: disable=protected-access
-
-    async def sequential(self, todo, context, pipeline):
-      for start in range(0, len(todo), 256):
-        batch = todo[start:start + 256]
-        stores = await asyncio.gather(*[self.open_store(p.tspec, context) for p in batch])
-        for p, t in zip(batch, stores):
-          await self._write_array(p, t, pipeline)  # pylint: disable=protected-access
-        await pipeline.flush()
-        while pipeline.commits:
-          await pipeline._retire()  # pylint: disable=protected-access
-    streaming.StreamingArrayHandler._write_leaves = sequential  # pylint: disable=protected-access
-    undo.append(lambda: setattr(streaming.StreamingArrayHandler, '_write_leaves', write_leaves))
   if variant in ('fsync/commit', 'before'):
     old = streaming.writeback_lib
     streaming.writeback_lib = types.SimpleNamespace(Writeback=lambda root: None)

@@ -61,9 +61,6 @@ PER_CHUNK_BYTES = 4 * KiB
 PER_LEAF_BYTES = 24 * KiB
 # Leaves opened together (their metadata commits share one OCDBT commit).
 OPEN_BATCH_LEAVES = 256
-# The first batch: small, so the first data is written without waiting for
-# 256 leaves' metadata commits.
-FIRST_OPEN_BATCH_LEAVES = 16
 MIN_SLICE_BYTES = 1 * MiB
 # Replica parallelism splits a replicated shard among its replicas; on one
 # host that only multiplies chunks, across hosts it shares the writing.

@@ -199,7 +199,10 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
       try:
         if reuse_job is not None:
           await reuse_job(context, reuse.kvstore_of(prepared[0].tspec))
-        await self._write_leaves([prepared[i] for i in write_idx], context, pipeline)
+        todo = [prepared[i] for i in write_idx]
+        for start in range(0, len(todo), cost.OPEN_BATCH_LEAVES):
+          await self._write_batch(todo[start:start + cost.OPEN_BATCH_LEAVES],
+                                  context, pipeline)
         await pipeline.drain()
         if wb is not None:
           await asyncio.to_thread(wb.finish)  # durable before Orbax renames it
@@ -257,41 +260,15 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
       await ts.open(ts.Spec(tspec), create=True, open=True, context=context)
     return await ts.open(ts.Spec(tspec), open=True, assume_metadata=True, context=context)
 
-  async def _write_leaves(self, todo, context, pipeline: '_Pipeline') -> None:
-    """Writes every leaf, opening the next batch's stores meanwhile.
-
-    Creating an array's metadata is a small OCDBT commit: a batch of leaves
-    is created at once rather than one per leaf between data writes.  The
-    next batch is opened while this one's data is written, so the disk does
-    not wait on the openings (0.4-0.5 s per 256 leaves here); the first
-    batch is small, so data starts flowing at once.  The open TensorStores
-    are within the leaves' bookkeeping (`cost.PER_LEAF_BYTES`, admitted for
-    the whole save).
-    """
-    batches = []
-    start, size = 0, cost.FIRST_OPEN_BATCH_LEAVES
-    while start < len(todo):
-      batches.append(todo[start:start + size])
-      start, size = start + size, cost.OPEN_BATCH_LEAVES
-
-    def open_batch(batch):
-      return asyncio.ensure_future(
-          asyncio.gather(*[self.open_store(p.tspec, context) for p in batch]))
-
-    opening = open_batch(batches[0]) if batches else None
-    try:
-      for i, batch in enumerate(batches):
-        stores = await opening
-        opening = open_batch(batches[i + 1]) if i + 1 < len(batches) else None
-        for p, t in zip(batch, stores):
-          await self._write_array(p, t, pipeline)
-        del stores
-    finally:
-      if opening is not None:
-        # A failed write: let the openings finish (not cancel them midway)
-        # before the caller removes the temporary directory, which they would
-        # otherwise create again.
-        await asyncio.gather(opening, return_exceptions=True)
+  async def _write_batch(self, batch, context, pipeline: '_Pipeline') -> None:
+    # Creating an array's metadata is a small OCDBT commit: do a batch at
+    # once rather than one per leaf between data writes.  Batches bound the
+    # open TensorStores (charged per leaf, `cost.PER_LEAF_BYTES`).
+    stores = await asyncio.gather(*[self.open_store(p.tspec, context) for p in batch])
+    for p, t in zip(batch, stores):
+      await self._write_array(p, t, pipeline)
+    await pipeline.drain(keep_pool=True)
+    del stores
 
   async def _write_array(self, p: '_Prepared', t: ts.TensorStore, pipeline: '_Pipeline') -> None:
     target_dtype = np.dtype(t.dtype.numpy_dtype)
@@ -553,12 +530,13 @@ class _Pipeline:
     if self.progress is not None:
       self.progress.update(self.stats.bytes_written)
 
-  async def drain(self) -> None:
-    """Commits everything and frees the pool."""
+  async def drain(self, *, keep_pool: bool = False) -> None:
+    """Commits everything; frees the pool unless `keep_pool` (more to write)."""
     await self.flush()
     while self.commits:
       await self._retire()
-    self.pool.drop()
+    if not keep_pool:
+      self.pool.drop()
 
   async def abort(self) -> None:
     """Waits out every write and commit, ignoring their errors; releases all."""

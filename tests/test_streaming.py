@@ -165,39 +165,6 @@ def test_a_streaming_save_logs_no_warning(tmp_path, with_host_leaf):
   assert any(p.name.startswith('ocdbt.process_') for p in (tmp_path / 'c').iterdir()) == with_host_leaf
   _assert_equal(tree, ocp.StandardCheckpointer().restore(tmp_path / 'c', _abstract(tree)))
 
-
-def test_data_is_written_while_the_next_leaves_are_opened(tmp_path, monkeypatch):
-  """The first leaves' data goes out after a small batch of openings, and
-  later batches are opened while earlier leaves are written (the disk does
-  not wait on 256 metadata commits at the start or between batches)."""
-  from kd_ckpt import cost, streaming  # pylint: disable=g-import-not-at-top
-  events = []
-  real_open, real_write = (streaming.StreamingArrayHandler.open_store,
-                           streaming.StreamingArrayHandler._write_array)
-
-  async def open_store(self, tspec, context):
-    t = await real_open(self, tspec, context)
-    events.append('open')
-    return t
-
-  async def write_array(self, p, t, pipeline):
-    events.append('write')
-    await real_write(self, p, t, pipeline)
-
-  monkeypatch.setattr(streaming.StreamingArrayHandler, 'open_store', open_store)
-  monkeypatch.setattr(streaming.StreamingArrayHandler, '_write_array', write_array)
-  n = cost.FIRST_OPEN_BATCH_LEAVES + cost.OPEN_BATCH_LEAVES + 5
-  # The first batch's leaves are big enough to commit (and so to wait).
-  tree = {f'l{i:03d}': jax.numpy.full((1 << 19 if i < 16 else 64,), i, np.float32)
-          for i in range(n)}
-  kd_ckpt.save(tmp_path / 'c', tree, host_ram_budget=64 * MiB, strategy='streaming')
-  assert events.count('open') == events.count('write') == n
-  assert events.index('write') == cost.FIRST_OPEN_BATCH_LEAVES
-  # Some leaves of the second batch open before the first batch's last write.
-  first_batch_done = [i for i, e in enumerate(events) if e == 'write'][cost.FIRST_OPEN_BATCH_LEAVES - 1]
-  assert events[:first_batch_done].count('open') > cost.FIRST_OPEN_BATCH_LEAVES
-  _assert_equal(tree, kd_ckpt.restore(tmp_path / 'c', _abstract(tree), host_ram_budget=64 * MiB))
-
 def test_zero_size_arrays_orbax_refuses_streaming_stores(tmp_path):
   tree = {'empty': jax.numpy.zeros((0, 4)), 'x': jax.numpy.ones((3,))}
   with pytest.raises(ValueError, match='zero size'):
