@@ -566,6 +566,25 @@ def test_profile_save_times_every_part(tmp_path):
   assert not list(tmp_path.iterdir()), 'the profile left files behind'
 
 
+
+@pytest.mark.slow
+def test_disk_timeline_marks_every_step(tmp_path):
+  """bench/disk_timeline.py on a 50 MB state: a timeline whose buckets cover
+  the save, with its commits, its fsync pass and nothing left behind."""
+  proc = subprocess.run(
+      [sys.executable, str(BENCH / 'disk_timeline.py'), '--gb', '0.05', '--budget', '64MiB',
+       '--reps', '1', '--dir', str(tmp_path)],
+      cwd=REPO, capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  head = [l for l in proc.stdout.splitlines() if l.startswith('save 0:')]
+  assert head and 'commits, the first at' in head[0], proc.stdout
+  secs = float(head[0].split()[2])
+  buckets = [l for l in proc.stdout.splitlines() if l[:6].strip().replace('.', '').isdigit()]
+  assert len(buckets) == int(secs / 0.25) + 1, proc.stdout
+  assert 'fsync pass:' in proc.stdout, proc.stdout
+  assert any(len(l.split()) == 4 and 'F' in l.split()[3] for l in buckets), proc.stdout
+  assert not list(tmp_path.iterdir()), 'the timeline left files behind'
+
 def _md_tables(text: str) -> dict[str, list[dict[str, str]]]:
   """'### Title' -> the rows of the markdown table under it, as {header: cell}."""
   tables, title, header = {}, None, None
