@@ -33,6 +33,8 @@ import types
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, 'bench'))
+
+import workloads  # pylint: disable=g-import-not-at-top,wrong-import-position
 VARIANTS = ('now', 'fsync/commit', 'before')
 
 
@@ -67,11 +69,7 @@ def _patch(variant: str, streaming):
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument('--state', default='gemma_gb', choices=('gemma_gb', 'big'))
-  ap.add_argument('--gb', type=float, default=None, help='state size (default: the bench\'s)')
-  ap.add_argument('--budget', default='256MiB')
-  ap.add_argument('--reps', type=int, default=3)
-  ap.add_argument('--dir', default=None, help='where to write (default: a temp dir)')
+  workloads.add_one_state_args(ap, reps=3)
   ap.add_argument('--out', default=None, help='also write the table to this file')
   args = ap.parse_args(argv)
   os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
@@ -81,12 +79,9 @@ def main(argv=None) -> int:
 
   import kd_ckpt  # pylint: disable=g-import-not-at-top
   from kd_ckpt import startup, streaming  # pylint: disable=g-import-not-at-top
-  import workloads  # pylint: disable=g-import-not-at-top
 
   startup.start_compiler()
-  total = int(args.gb * 1e9) if args.gb else (
-      workloads.GEMMA_GB_BYTES if args.state == 'gemma_gb' else workloads.BIG_BYTES)
-  state = workloads.build_gb_state(jax, args.state, total)
+  state = workloads.build_one_state(jax, args)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
   root = tempfile.mkdtemp(dir=args.dir, prefix='kd_ab_')
   copy_secs = collections.Counter()

@@ -30,6 +30,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, 'bench'))
+
+import workloads  # pylint: disable=g-import-not-at-top,wrong-import-position
 BUCKET_SECS = 0.25
 
 
@@ -66,11 +68,7 @@ def _timed(obj, name: str, label: str, events: list, t0: list) -> None:
 
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument('--state', default='gemma_gb', choices=('gemma_gb', 'big'))
-  ap.add_argument('--gb', type=float, default=None, help='state size (default: the bench\'s)')
-  ap.add_argument('--budget', default='256MiB')
-  ap.add_argument('--reps', type=int, default=2)
-  ap.add_argument('--dir', default=None, help='where to write (default: a temp dir)')
+  workloads.add_one_state_args(ap, reps=2)
   args = ap.parse_args(argv)
   os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 
@@ -79,12 +77,9 @@ def main(argv=None) -> int:
 
   import kd_ckpt  # pylint: disable=g-import-not-at-top
   from kd_ckpt import handler, startup, streaming, writeback  # pylint: disable=g-import-not-at-top
-  import workloads  # pylint: disable=g-import-not-at-top
 
   startup.start_compiler()
-  total = int(args.gb * 1e9) if args.gb else (
-      workloads.GEMMA_GB_BYTES if args.state == 'gemma_gb' else workloads.BIG_BYTES)
-  state = workloads.build_gb_state(jax, args.state, total)
+  state = workloads.build_one_state(jax, args)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
   root = tempfile.mkdtemp(dir=args.dir, prefix='kd_timeline_')
   events, t0 = [], [0.0]

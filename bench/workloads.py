@@ -82,6 +82,22 @@ def gen_leaf(jax, shape, dtype, sharding, seed: int):
   return fn(np.uint32(seed % 2**32))
 
 
+
+def add_one_state_args(ap, *, reps: int) -> None:
+  """The arguments of the one-process save benches (ab_save, disk_timeline)."""
+  ap.add_argument('--state', default='gemma_gb', choices=GB_STATES)
+  ap.add_argument('--gb', type=float, default=None, help='state size (default: the bench\'s)')
+  ap.add_argument('--budget', default='256MiB')
+  ap.add_argument('--reps', type=int, default=reps)
+  ap.add_argument('--dir', default=None, help='where to write (default: a temp dir)')
+
+
+def build_one_state(jax, args):
+  """The state `add_one_state_args`'s arguments name, at their size."""
+  total = int(args.gb * 1e9) if args.gb else (
+      GEMMA_GB_BYTES if args.state == 'gemma_gb' else BIG_BYTES)
+  return build_gb_state(jax, args.state, total)
+
 def _round(x, m):
   return max(m, int(round(x / m)) * m)
 
