@@ -232,14 +232,13 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
         enable_post_merge_validation=False,
         type_handler_registry=registry(arrays_lib.KdArrayHandler(),
                                        arrays_lib.KdNumpyHandler()))
-    if self._use_ocdbt and not any(directory.glob('ocdbt.process_*')):
-      # One process wrote straight into the root database
-      # (`streaming.ocdbt_subdir`) and no host value needed Orbax's writer:
-      # Orbax's merge finds nothing to merge, as intended, and would warn
-      # about it on every save.
-      with _quiet_absl('Skipping merge of OCDBT checkpoints'):
-        finalizer.finalize(directory)
-    else:
+    # When one process wrote straight into the root database
+    # (`streaming.ocdbt_subdir`) and no host value needed Orbax's writer,
+    # Orbax's merge finds nothing to merge, as intended, and would warn
+    # about it on every save.
+    nothing_to_merge = self._use_ocdbt and not any(directory.glob('ocdbt.process_*'))
+    with (_quiet_absl('Skipping merge of OCDBT checkpoints') if nothing_to_merge
+          else contextlib.nullcontext()):
       finalizer.finalize(directory)
     if self._use_ocdbt and ocp.multihost.is_primary_host(self._mp.primary_host):
       reuse_lib.prune(directory)
