@@ -185,7 +185,7 @@ class KdArrayHandler(ocp.type_handlers.ArrayHandler):
     self._save_ctx.stats.handler_ran = True
 
   async def deserialize(self, infos, args=None):
-    # Leaves small enough are read by Orbax's own reader (`reading`).
+    # Small leaves `reading` may not read whole go to Orbax's own reader.
     return await reading.read_arrays(self, infos, args, self._read_ctx,
                                      stock_read=self._stock.deserialize)
 

@@ -57,7 +57,9 @@ PER_CHUNK_BYTES = 4 * KiB
 # TensorStore's open array, JAX's per-shard objects.  Measured 12.4-14.9
 # KiB/leaf for single-device leaves (1,000-10,000 tiny leaves), 16-20 KiB for
 # leaves replicated on 8 devices (2,000 leaves, tests/test_budget.py
-# many_small); charged 24 KiB.
+# many_small); `make calibrate` on 2026-12-02: 21 KiB/leaf saving 2,000
+# single-device leaves of 1 KiB ((46.09 - 4.68 MiB) / 2,000), 4 KiB/leaf
+# restoring them.  Charged 24 KiB.
 PER_LEAF_BYTES = 24 * KiB
 # Leaves opened together (their metadata commits share one OCDBT commit).
 OPEN_BATCH_LEAVES = 256
@@ -151,6 +153,14 @@ def read_charge(piece_bytes: int, chunk_bytes: int) -> int:
   """A TensorStore read of whole stored chunks of `chunk_bytes` (<= a piece):
   the output piece, plus one chunk's compressed and decoded bytes in flight."""
   return int(piece_bytes + 2 * min(chunk_bytes, piece_bytes))
+
+
+def whole_read_charge(read_bytes: int, chunks_bytes: int, placed_bytes: int) -> int:
+  """A small leaf read whole and placed in one batched transfer
+  (`reading._read_whole`): the stored array and its cast (`read_bytes`),
+  every stored chunk compressed and decoded at once, and a device (or
+  staging) copy of each distinct shard."""
+  return int(read_bytes + 2 * chunks_bytes + placed_bytes)
 
 
 def place_charge(piece_bytes: int) -> int:
