@@ -40,13 +40,8 @@ VARIANTS = ('now', 'fsync/commit', 'before')
 
 def _disk(root: str):
   """(bytes written, write requests, flushes) of the device holding root."""
-  dev = os.stat(root).st_dev
-  major, minor = os.major(dev), os.minor(dev)
-  for line in open('/proc/diskstats'):
-    x = line.split()
-    if int(x[0]) == major and int(x[1]) in (minor, minor & ~0xf):
-      return int(x[9]) * 512, int(x[7]), int(x[18]) if len(x) > 18 else 0
-  return 0, 0, 0
+  d = workloads.disk_stats(root)
+  return d['written_bytes'], d['writes'], d['flushes']
 
 
 def _patch(variant: str, streaming):

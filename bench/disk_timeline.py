@@ -37,13 +37,8 @@ BUCKET_SECS = 0.25
 
 def _disk(root: str) -> tuple[int, int]:
   """(busy ms, bytes written) of the device holding root, so far."""
-  dev = os.stat(root).st_dev
-  major, minor = os.major(dev), os.minor(dev)
-  for line in open('/proc/diskstats'):
-    x = line.split()
-    if int(x[0]) == major and int(x[1]) in (minor, minor & ~0xf):
-      return int(x[12]), int(x[9]) * 512
-  return 0, 0
+  d = workloads.disk_stats(root)
+  return d['busy_ms'], d['written_bytes']
 
 
 def _timed(obj, name: str, label: str, events: list, t0: list) -> None:

@@ -269,6 +269,23 @@ def du_bytes(path: str) -> int | None:
     return None
 
 
+def disk_stats(path: str) -> dict[str, int]:
+  """Counters so far of the block device holding `path` (/proc/diskstats;
+  zeros where there is none): bytes written, write requests, flushes, busy ms.
+
+  A partition's counters are its disk's: `minor & ~0xf` finds the disk.
+  """
+  dev = os.stat(path).st_dev
+  major, minor = os.major(dev), os.minor(dev)
+  with open('/proc/diskstats') as f:
+    for line in f:
+      x = line.split()
+      if int(x[0]) == major and int(x[1]) in (minor, minor & ~0xf):
+        return {'written_bytes': int(x[9]) * 512, 'writes': int(x[7]), 'busy_ms': int(x[12]),
+                'flushes': int(x[18]) if len(x) > 18 else 0}
+  return {'written_bytes': 0, 'writes': 0, 'busy_ms': 0, 'flushes': 0}
+
+
 def _report_save(report) -> dict[str, Any]:
   return {'strategy': report.strategy, 'settings': report.settings,
           'bytes_written': report.bytes_written, 'bytes_reused': report.bytes_reused,
