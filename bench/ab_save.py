@@ -26,7 +26,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import types
 
@@ -78,7 +77,7 @@ def main(argv=None) -> int:
   startup.start_compiler()
   state = workloads.build_one_state(jax, args)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
-  root = tempfile.mkdtemp(dir=args.dir, prefix='kd_ab_')
+  root = workloads.make_work_dir(args.dir, 'kd_ab_')
   copy_secs = collections.Counter()
   real_to_host = streaming.to_host
 

@@ -23,7 +23,6 @@ import inspect
 import os
 import shutil
 import sys
-import tempfile
 import threading
 import time
 
@@ -76,7 +75,7 @@ def main(argv=None) -> int:
   startup.start_compiler()
   state = workloads.build_one_state(jax, args)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
-  root = tempfile.mkdtemp(dir=args.dir, prefix='kd_timeline_')
+  root = workloads.make_work_dir(args.dir, 'kd_timeline_')
   events, t0 = [], [0.0]
   _timed(writeback.Writeback, 'started', 'S', events, t0)
   _timed(writeback.Writeback, 'finish', 'F', events, t0)

@@ -33,7 +33,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,7 +73,7 @@ def main(argv=None) -> int:
   state = {'w': jax.block_until_ready(workloads.gen_leaf(
       jax, (rows, 1024), np.float32,
       jax.sharding.SingleDeviceSharding(jax.devices()[0]), 1))}
-  root = tempfile.mkdtemp(dir=args.dir, prefix='kd_profile_')
+  root = workloads.make_work_dir(args.dir, 'kd_profile_')
   rows_per_piece = PIECE // 4 // 1024
   out = {}
   try:

@@ -576,7 +576,8 @@ def main(argv=None) -> int:
     p.error('--steps must be >= --every (no save would run)')
   load_start, start = os.getloadavg(), time.perf_counter()
   sections = []
-  root = tempfile.mkdtemp(dir=args.dir, prefix='kd_speed_')
+  import workloads  # pylint: disable=g-import-not-at-top
+  root = workloads.make_work_dir(args.dir, 'kd_speed_')
   try:
     for part in PARTS:
       if part in parts:

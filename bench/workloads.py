@@ -269,6 +269,15 @@ def du_bytes(path: str) -> int | None:
     return None
 
 
+def make_work_dir(parent: str | None, prefix: str) -> str:
+  """A new temporary folder for a bench's checkpoints, in `parent` (made if
+  missing; None: the system's temporary folder)."""
+  import tempfile  # pylint: disable=g-import-not-at-top
+  if parent:
+    os.makedirs(parent, exist_ok=True)
+  return tempfile.mkdtemp(dir=parent, prefix=prefix)
+
+
 def disk_stats(path: str) -> dict[str, int]:
   """Counters so far of the block device holding `path` (/proc/diskstats;
   zeros where there is none): bytes written, write requests, flushes, busy ms.
