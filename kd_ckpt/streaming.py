@@ -296,7 +296,8 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
         nbytes = slicing.nbytes(box, p.itemsize)
         charge = cost.staged_charge(
             nbytes, chunks=slicing.num_chunks(box, p.chunk),
-            contiguous=slicing.contiguous(p.chunk, box) and not interleaved)
+            contiguous=slicing.contiguous(p.chunk, box) and not interleaved,
+            aligned_bytes=slicing.aligned_nbytes(box, p.chunk, p.itemsize))
         if p.pinned:
           charge += nbytes  # the pinned staging copy, on hosts that have it
         # On CPU the slice is copied into a buffer the pipeline reuses; its

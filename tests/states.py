@@ -92,6 +92,8 @@ def unseen(name: str, total_bytes: int):
   prime:        prime rows per shard (sharded over 8) and prime columns
   prime_rep:    one replicated leaf of prime dims
   mesh2d_prime: a 4x2 mesh, prime extents per shard on both axes
+  edge_chunks:  one leaf on one device whose chunks do not tile it (31622
+                columns): each row band ends in an edge chunk, stored whole
   many_small:   2,000 small leaves of mixed dtypes (plus one big one)
   mixed_dtypes: bf16 / int8 / f32 / bool leaves on several layouts
   many_medium:  64 leaves of 1-6 MiB on four layouts (Gemma-like)
@@ -109,6 +111,10 @@ def unseen(name: str, total_bytes: int):
     b = 521
     a = _prime_below(max(3, total_bytes // 4 // 8 // b))
     return {'g': filled((4 * a, 2 * b), NS(m2, P('a', 'b')))}
+  if name == 'edge_chunks':
+    cols = 31622
+    rows = max(12, total_bytes // 4 // cols // 12 * 12)
+    return {'w': filled((rows, cols), jax.sharding.SingleDeviceSharding(jax.devices()[0]))}
   if name == 'many_small':
     # Made on the host and put on the devices: 2,000 compiled fills would
     # take a minute.
@@ -155,7 +161,7 @@ def _prime_below(n: int) -> int:
   return n
 
 
-UNSEEN = ('prime', 'prime_rep', 'mesh2d_prime', 'many_small', 'mixed_dtypes')
+UNSEEN = ('prime', 'prime_rep', 'mesh2d_prime', 'edge_chunks', 'many_small', 'mixed_dtypes')
 OTHER = ('wide_mesh2d',)
 # Only the restore budget test's (a GCS run of it adds nothing new).
 RESTORE_ONLY = ('many_medium',)
