@@ -257,7 +257,8 @@ class StreamingLayout:
 
 
 def streaming_layout(budget_bytes: int, num_leaves: int = 0) -> StreamingLayout:
-  """Slices sized so two groups of `TARGET_SLICES_PER_GROUP` fit the capacity.
+  """Slices sized so two groups of `TARGET_SLICES_PER_GROUP` fit the capacity;
+  groups of no more than that many slices.
 
   The leaves' bookkeeping (`leaves_charge`) comes off the capacity first.
   """
@@ -268,6 +269,11 @@ def streaming_layout(budget_bytes: int, num_leaves: int = 0) -> StreamingLayout:
                         group / TARGET_SLICES_PER_GROUP)) // MiB * MiB
   if slice_bytes < MIN_SLICE_BYTES:
     slice_bytes = int(group / TARGET_SLICES_PER_GROUP) // KiB * KiB
+  # Once slices are at their largest, bigger groups only make bigger
+  # commits for the disk to absorb at once: at 1 GiB, groups of 333 MiB
+  # saved the Gemma-like state in 5.11 s (median of 8) against 4.53 s at
+  # 256 MiB, and 4.65 s with groups of 128 MiB (/tmp A/B, alternating).
+  group = min(group, TARGET_SLICES_PER_GROUP * max(slice_bytes, MIN_SLICE_BYTES))
   return StreamingLayout(capacity_bytes=max(0, cap), slice_bytes=max(0, slice_bytes),
                          group_bytes=max(0, int(group)), leaves_bytes=leaves)
 
