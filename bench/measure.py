@@ -314,6 +314,23 @@ def budget_warnings(rows: Iterable[dict[str, Any]]) -> list[str]:
   return out
 
 
+def kd_within_tolerance(rows: Iterable[dict[str, Any]]) -> list[str]:
+  """kd_ckpt rows over their budget but inside the measurement tolerance:
+  they pass, and are listed, because a charge the writer gets wrong shows
+  here first (the 4 GB leaf's edge chunk: 263 MiB at 256 MiB, 1.03x)."""
+  out = []
+  for row in rows:
+    budget = row.get('budget_bytes')
+    if not is_kd(row) or row.get('error') or not budget:
+      continue
+    for what, peak in (('save peak', row.get('peak_extra_bytes')),
+                       ('restore peak beyond the arrays', restore_overhead_bytes(row))):
+      if peak is not None and budget < peak <= kd_limit_bytes(budget):
+        out.append(f'{row_name(row)}: {what} {fmt_bytes(peak)} > budget'
+                   f' ({peak / budget:.2f}x), within the tolerance')
+  return out
+
+
 def check_soaks(soaks: Iterable[dict[str, Any]]) -> list[str]:
   """Threshold violations of kd_ckpt's soak runs (RSS drift, errors)."""
   failures = []

@@ -1010,6 +1010,10 @@ def write_markdown(path, res: dict[str, Any]) -> str:
   if kauldron_misses:
     lines += ['', 'Reported, not enforced (the tiny Kauldron run):', ''] + [
         f'- {m}' for m in kauldron_misses]
+  close = measure.kd_within_tolerance(gb_rows + rows)
+  if close:
+    lines += ['', 'kd_ckpt rows over their budget by less than the measurement'
+              ' tolerance (passed; look at these):', ''] + [f'- {c}' for c in close]
   if notes:
     lines += ['', 'Orbax rows over the budget they were given (reported only):', ''] + [
         f'- {w}' for w in notes]

@@ -229,6 +229,22 @@ def test_check_rows_enforces_every_kd_row_save_and_restore(variant):
   assert 'differ' in measure.check_rows([dict(ok, restore_ok=False)])[0]
 
 
+def test_kd_rows_over_budget_inside_the_tolerance_are_listed():
+  """They pass check_rows, and are named: the 4 GB leaf's save at 263 MiB
+  under 256 MiB passed unnoticed until a charge was found wrong."""
+  budget = 64 * MiB
+  rows = [_kd_row('kd_ckpt streaming', budget, budget + 1, restore_over=budget),
+          _kd_row('kd_ckpt auto', budget, budget, restore_over=budget + 2 * MiB),
+          _kd_row('kd_ckpt orbax', budget, budget),
+          {'state': 's', 'variant': 'orbax tuned', 'budget_bytes': budget,
+           'peak_extra_bytes': budget + MiB}]
+  assert measure.check_rows(rows[:3]) == []
+  close = measure.kd_within_tolerance(rows)
+  assert len(close) == 2, close
+  assert 'kd_ckpt streaming' in close[0] and 'save peak' in close[0]
+  assert 'kd_ckpt auto' in close[1] and 'restore' in close[1] and '1.03x' in close[1]
+
+
 def test_check_rows_ignores_orbax_but_not_kd_errors():
   rows = [
       {'state': 's', 'variant': 'orbax default', 'budget_bytes': None,
