@@ -136,7 +136,7 @@ def main(argv=None) -> int:
   print('| part | seconds | GB/s | x dd | share of kd_ckpt save |')
   print('| --- | --- | --- | --- | --- |')
   for k, s in out.items():
-    print(f'| {k} | {s:.2f} | {gb / s:.2f} | {s / out["dd"]:.2f} |'
+    print(f'| {k} | {s:.3f} | {gb / s:.2f} | {s / out["dd"]:.2f} |'
           f' {s / out["kd_ckpt"]:.0%} |')
   parts = max(out['copy'], out['crc32c'], out['ts write'])
   print(f'fsync: {max(0.0, out["ts write"] - out["ts write, no fsync"]):.2f} s of the TensorStore'
