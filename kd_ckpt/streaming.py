@@ -81,10 +81,14 @@ def to_host(data: jax.Array, box: slicing.Box, *, pinned: bool = False,
   into `out` (a reused buffer of the slice's shape and dtype, see
   `_BufferPool`) or a fresh one, which is exactly what a GPU host pays (one
   host buffer per slice) -- no more, no less.  `out` is used on CPU only.
+  On CPU only a whole shard sent to pinned memory takes Orbax's transfer
+  (a real copy there too).
   """
   whole = all(s.start == 0 and s.stop == n for s, n in zip(box, data.shape))
   cpu = next(iter(data.devices())).platform == 'cpu'
-  if cpu and (out is not None or not whole):
+  if cpu and (out is not None or not whole or not pinned):
+    # Without pinned memory Orbax's transfer hands back a view of this same
+    # buffer, at ~80 us a call, where copying a 4 KiB leaf takes 2 us.
     view = np.asarray(data)  # zero-copy on CPU; `data` is a per-shard array.
     part = view if whole else view[box]
     if out is None:
@@ -255,9 +259,15 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
                      bool(info.enable_pinned_host_transfer))
 
   async def open_store(self, tspec: dict[str, Any], context: ts.Context) -> ts.TensorStore:
-    """Creates the stored array (primary host) and opens it for writing."""
+    """Creates the stored array (primary host) and opens it for writing.
+
+    The host that creates the array writes through the store it created;
+    the others open it from its spec without reading the metadata back, as
+    Orbax's serializer does (one open a leaf instead of Orbax's two: ~5% of
+    a 2,000-leaf save).
+    """
     if self._options.primary_host is None or jax.process_index() == self._options.primary_host:
-      await ts.open(ts.Spec(tspec), create=True, open=True, context=context)
+      return await ts.open(ts.Spec(tspec), create=True, open=True, context=context)
     return await ts.open(ts.Spec(tspec), open=True, assume_metadata=True, context=context)
 
   async def _write_batch(self, batch, context, pipeline: '_Pipeline') -> None:

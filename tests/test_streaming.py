@@ -332,8 +332,9 @@ def test_streaming_handler_in_orbaxs_place_refuses_zero_size_as_orbax_does(tmp_p
 
 @pytest.mark.parametrize('pinned', [True, False])
 def test_streaming_transfers_honour_enable_pinned_host_transfer(tmp_path, pinned):
-  """Whole shards reach the host through Orbax's transfer, with the save's
-  enable_pinned_host_transfer (pinned host memory where the device has it)."""
+  """With enable_pinned_host_transfer, whole shards reach the host through
+  Orbax's transfer into pinned host memory (where the device has it);
+  without it, never through pinned memory."""
   from unittest import mock  # pylint: disable=g-import-not-at-top
   m1, _ = states.meshes()
   tree = {'w': jax.device_put(np.arange(64 * 32, dtype=np.float32).reshape(64, 32),
@@ -349,8 +350,12 @@ def test_streaming_transfers_honour_enable_pinned_host_transfer(tmp_path, pinned
 
   with mock.patch.object(replica_slices, 'transfer_arrays_to_host', spy):
     _registered_streaming_save(tmp_path / 'c', tree, enable_pinned_host_transfer=pinned)
-  assert flags and set(flags) == {pinned}
-  assert len(flags) == 8 + 1  # one whole shard per device of 'w', and 'b'
+  if pinned:
+    assert flags == [True] * (8 + 1)  # one whole shard per device of 'w', and 'b'
+  else:
+    # On CPU an unpinned shard is copied straight from its buffer (Orbax's
+    # transfer would hand back a view of it); nothing goes to pinned memory.
+    assert True not in flags
   _assert_equal(tree, ocp.StandardCheckpointer().restore(tmp_path / 'c', _abstract(tree)))
 
 
