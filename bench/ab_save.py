@@ -1,14 +1,16 @@
-"""Streaming save, now against its earlier self, alternating in one process (issue 20).
+"""Saves alternating in one process, each rep beside `dd` of the same bytes (issue 20).
 
 The disk here is noisy (dd of the same bytes: 1.1-8 s from one minute to the
 next), so variants are compared rep by rep in one process, with `dd
 conv=fsync` of the same bytes before each rep:
 
-  now             the streaming writer as it is
+  now             the streaming writer as it is (`strategy='streaming'`)
   fsync/commit    TensorStore fsyncs every commit (`file_io_sync` on), as
                   before `kd_ckpt.writeback`
   before          that, and every slice copied into a fresh host buffer
                   (no `_BufferPool`): the writer at 9506c6a
+  auto            `kd_ckpt.save(strategy='auto')` at the same budget
+  orbax           `ocp.StandardCheckpointer().save` + `wait_until_finished`
 
 Besides seconds: the process's CPU seconds (user + system), the device's
 cache flushes and write requests (/proc/diskstats), and the seconds spent in
@@ -16,6 +18,7 @@ the device-to-host copies (`streaming.to_host`).  The "before" variants are
 made by patching the writer from here; the product has no switch for them.
 
   .venv/bin/python bench/ab_save.py --state gemma_gb --reps 3 --out bench/results/ab_save.md
+  .venv/bin/python bench/ab_save.py --state gemma_gb --reps 8 --variants now,auto,orbax
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, 'bench'))
 
 import workloads  # pylint: disable=g-import-not-at-top,wrong-import-position
-VARIANTS = ('now', 'fsync/commit', 'before')
+VARIANTS = ('now', 'fsync/commit', 'before', 'auto', 'orbax')
 
 
 def _disk(root: str):
@@ -65,13 +68,21 @@ def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   workloads.add_one_state_args(ap, reps=3)
   ap.add_argument('--out', default=None, help='also write the table to this file')
+  ap.add_argument('--variants', default=','.join(VARIANTS),
+                  help=f'comma-separated, of {VARIANTS} (default: all)')
   args = ap.parse_args(argv)
+  variants = tuple(v for v in VARIANTS if v in args.variants.split(','))
+  if 'now' in variants:
+    variants = ('now',) + tuple(v for v in variants if v != 'now')
+  if not variants or set(args.variants.split(',')) - set(VARIANTS):
+    ap.error(f'--variants {args.variants!r}: choose from {",".join(VARIANTS)}')
   os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
 
   import kd_ckpt  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   from kd_ckpt import startup, streaming  # pylint: disable=g-import-not-at-top
 
   startup.start_compiler()
@@ -99,14 +110,21 @@ def main(argv=None) -> int:
       secs, d1 = time.perf_counter() - t, _disk(root)
       rows['dd'].append((secs, 0.0, d1[2] - d0[2], d1[1] - d0[1], 0.0))
       os.remove(f)
-      order = VARIANTS if rep % 2 == 0 else VARIANTS[::-1]
+      order = variants if rep % 2 == 0 else variants[::-1]
       for v in order:
         undo = _patch(v, streaming)
         path = os.path.join(root, f'c{rep}_{v.replace("/", "_").replace(" ", "_")}')
         copy_secs.clear()
         c0, d0, t = os.times(), _disk(root), time.perf_counter()
         try:
-          kd_ckpt.save(path, state, strategy='streaming', host_ram_budget=args.budget)
+          if v == 'orbax':
+            ckptr = ocp.StandardCheckpointer()
+            ckptr.save(path, state)
+            ckptr.wait_until_finished()
+            ckptr.close()
+          else:
+            kd_ckpt.save(path, state, strategy='auto' if v == 'auto' else 'streaming',
+                         host_ram_budget=args.budget)
         finally:
           undo()
         secs, c1, d1 = time.perf_counter() - t, os.times(), _disk(root)
@@ -118,23 +136,24 @@ def main(argv=None) -> int:
     streaming.to_host = real_to_host
     shutil.rmtree(root, ignore_errors=True)
 
+  base = 'before' if 'before' in variants else 'orbax' if 'orbax' in variants else variants[0]
   med = lambda v, i: float(np.median([r[i] for r in rows[v]]))
   lines = [
       f'<!-- .venv/bin/python bench/ab_save.py --state {args.state} --budget {args.budget}'
-      f' --reps {args.reps} -->',
+      f' --reps {args.reps} --variants {",".join(variants)} -->',
       f'{args.state}: {nbytes / 1e9:.2f} GB, {len(jax.tree.leaves(state))} leaves,'
       f' {len(jax.devices())} devices, streaming at {args.budget}, {os.cpu_count()} cores;'
       f' medians of {args.reps} alternating reps (each rep: dd, then the variants).',
       '',
-      '| variant | save s (each rep) | median s | x dd (throughput) | x before |'
+      f'| variant | save s (each rep) | median s | x dd (throughput) | x {base} |'
       ' process CPU s | device flushes | write requests | to_host s |',
       '| --- | --- | --- | --- | --- | --- | --- | --- | --- |']
-  for v in ('dd',) + VARIANTS:
+  for v in ('dd',) + variants:
     each = ' / '.join(f'{r[0]:.2f}' for r in rows[v])
     cpu, copy = ('-', '-') if v == 'dd' else (f'{med(v, 1):.2f}', f'{med(v, 4):.2f}')
     lines.append(
         f'| {v} | {each} | {med(v, 0):.2f} | {med("dd", 0) / med(v, 0):.2f} |'
-        f' {med(v, 0) / med("before", 0):.2f} | {cpu} | {med(v, 2):.0f} |'
+        f' {med(v, 0) / med(base, 0):.2f} | {cpu} | {med(v, 2):.0f} |'
         f' {med(v, 3):.0f} | {copy} |')
   text = '\n'.join(lines) + '\n'
   print(text)

@@ -184,8 +184,26 @@ def _key_data_sharding(sharding, ndim: int):
 
 def estimate_tree(tree: Any, *, platform: str | None = None) -> TreeEstimate:
   """Estimates every leaf of `tree`; raises for deleted arrays."""
+  # A model repeats a few (shape, dtype, sharding) many times: each is
+  # worked out once (~20 us a leaf, 0.05 s of a 2,000-leaf save).
+  seen: dict[Any, LeafEstimate] = {}
+
+  def one(path: str, x: Any) -> LeafEstimate:
+    if not isinstance(x, jax.Array) or tree_lib.is_prng_key(x):
+      return estimate_leaf(path, x)
+    if x.is_deleted():
+      return estimate_leaf(path, x)  # raises, naming the leaf
+    key = (x.shape, x.dtype, x.sharding)
+    try:
+      hit = seen.get(key)
+    except TypeError:  # a sharding that cannot be hashed: no sharing
+      return estimate_leaf(path, x)
+    if hit is None:
+      hit = seen[key] = estimate_leaf(path, x)
+    return hit if hit.path == path else dataclasses.replace(hit, path=path)
+
   return TreeEstimate(
-      leaves=tuple(estimate_leaf(l.name, l.value) for l in tree_lib.leaves(tree)),
+      leaves=tuple(one(l.name, l.value) for l in tree_lib.leaves(tree)),
       platform=platform or jax.default_backend(),
       process_index=jax.process_index(),
       process_count=jax.process_count(),

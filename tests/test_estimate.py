@@ -82,6 +82,30 @@ def test_prng_keys_are_estimated_as_their_key_data():
   del jnp
 
 
+def test_tree_estimate_equals_each_leaf_estimated_alone():
+  """Leaves sharing shape, dtype and sharding are worked out once per tree:
+  every leaf's estimate (its own path included) is what it is alone."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  m1, m2 = states.meshes()
+  row, rep = NS(m1, P('x')), NS(m2, P(None, 'b'))
+  tree = {f'layer{i}': {'w': jax.device_put(np.full((16, 6), i, np.float32), row),
+                        'v': jax.device_put(np.full((16, 6), i, np.float32), rep),
+                        'b': jax.numpy.full((7,), i, jax.numpy.bfloat16)}
+          for i in range(3)}
+  tree['odd'] = jax.device_put(np.zeros((16, 6), np.int32), row)  # same shape, other dtype
+  tree['key'] = jax.random.split(jax.random.key(0), 8)
+  tree['np'] = np.zeros((16, 6), np.float32)
+  est = estimate.estimate_tree(tree)
+  from kd_ckpt import tree as tree_lib  # pylint: disable=g-import-not-at-top
+  alone = tuple(estimate.estimate_leaf(l.name, l.value) for l in tree_lib.leaves(tree))
+  assert est.leaves == alone
+  assert len({l.path for l in est.leaves}) == len(alone) == 3 * 3 + 3
+  assert {l.num_replicas for l in est.leaves if l.path.endswith('v')} == {4}
+  tree['layer1']['w'].delete()  # a deleted leaf among shared ones is still named
+  with pytest.raises(ValueError, match="Leaf 'layer1.w'.*deleted"):
+    estimate.estimate_tree(tree)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('layout', ['sharded', 'replicated', 'mixed', 'mesh2d'])
 def test_orbax_worst_case_is_never_below_the_measured_peak(tmp_path, layout):
