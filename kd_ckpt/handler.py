@@ -237,12 +237,18 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     # Orbax's merge finds nothing to merge, as intended, and would warn
     # about it on every save.
     nothing_to_merge = self._use_ocdbt and not any(directory.glob('ocdbt.process_*'))
+    # A root database before Orbax's merge holds arrays written straight
+    # into it (the streaming writer of a single process); arrays that only
+    # Orbax merged are where a stock save puts them and are not listed again
+    # (~3 ms a save, 30-80 ms at 2,000 leaves).
+    written_to_root = self._use_ocdbt and (directory / 'manifest.ocdbt').exists()
     with (_quiet_absl('Skipping merge of OCDBT checkpoints') if nothing_to_merge
           else contextlib.nullcontext()):
       finalizer.finalize(directory)
     if self._use_ocdbt and ocp.multihost.is_primary_host(self._mp.primary_host):
       reuse_lib.prune(directory)
-      check_arrays_present(directory)
+      if written_to_root:
+        check_arrays_present(directory)
 
   # --- restore -----------------------------------------------------------------
 

@@ -458,3 +458,24 @@ def test_a_local_save_fsyncs_every_file_once_before_it_is_renamed(tmp_path, monk
     assert rel in done, (rel, sorted(done)[:10])
   assert sum(1 for _, flags in started if flags == writeback._WRITE) >= 2
   assert np.asarray(kd_ckpt.restore(final)['w']).tobytes() == np.asarray(tree['w']).tobytes()
+
+
+def test_finalize_lists_the_arrays_written_straight_into_the_root_database(tmp_path, monkeypatch):
+  """A single process's streaming writer bypasses Orbax's merge, so its
+  finalize lists the database and names any array `_METADATA` has that it
+  lacks; arrays Orbax merged itself (the Orbax strategy) are not listed again."""
+  from kd_ckpt import compat, handler  # pylint: disable=g-import-not-at-top
+  real, calls = handler.check_arrays_present, []
+  monkeypatch.setattr(handler, 'check_arrays_present', lambda d: (calls.append(d), real(d)))
+  tree = {'a': jax.numpy.arange(6.0), 'n': np.ones(3)}
+  for strategy, listed in (('orbax', 0), ('streaming', 1)):
+    calls.clear()
+    kd_ckpt.save(tmp_path / strategy, tree, strategy=strategy, host_ram_budget='256MiB')
+    assert len(calls) == listed, strategy
+    _assert_equal(tree, kd_ckpt.restore(tmp_path / strategy, host_ram_budget='256MiB'))
+  # The check itself: an array the metadata lists but the database lacks.
+  stored = compat.stored_params(tmp_path / 'streaming')
+  monkeypatch.setattr(compat, 'stored_params',
+                      lambda d: list(stored) + [('ghost', 'jax.Array')])
+  with pytest.raises(RuntimeError, match=r"1 array\(s\) are missing .*'ghost'"):
+    real(tmp_path / 'streaming')
