@@ -20,9 +20,9 @@ that one with TensorStore.  Absent chunks read as the fill value (null: 0).
 
 Memory, with L = max(max_piece_bytes, itemsize): each piece holds at most L
 bytes.  While building one, a call also holds the reads or slab it is cut
-from: raw reads in flight of at most max(L/4, 64 KiB) bytes (TensorStore keeps
-~3 copies of a read while it lands, so ~0.75 L), or the decoded zstd slab of
-at most L (a piece of whole rows *is* the slab).  Plus a constant: a
+from: raw reads in flight of at most max(L/4, 64 KiB) bytes, each of at most
+4 MiB (TensorStore keeps ~3 copies of a read while it lands, so ~0.75 L), or
+the decoded zstd slab of at most L (a piece of whole rows *is* the slab).  Plus a constant: a
 compressed window of <= 2 MiB (also ~3 copies), a <= 1 MiB skip buffer, zstd's
 window (2 MiB at Orbax's zarr3 level 3, 512 KiB at its zarr v2 level 1), one
 zarr3 shard index (16 bytes per inner chunk).  So the peak is about
@@ -74,6 +74,11 @@ _MAX_SKIP = 1 << 20  # buffer for decompressed bytes that are dropped
 # the stream reader's own buffers.
 _DCTX_BYTES = 256 << 10
 _MAX_READS = 4096  # raw byte-range reads in flight
+# Raw byte-range reads are at most this long: each lands in a Python bytes
+# object, which at half the reads' mmap threshold (hostmem.
+# READ_MMAP_THRESHOLD_BYTES) glibc reuses from its heap; above it every read
+# faulted in fresh pages (0.5-0.8 GB/s against 4-5.6 GB/s at 4 MiB).
+_MAX_READ = 4 << 20
 _SMALL_ROW = 4096  # raw: rows up to this size are read whole (fewer reads)
 _ABSENT = 2**64 - 1  # sharding index entry of an absent inner chunk
 
@@ -446,7 +451,8 @@ class StoredArray:
     """Pieces of a raw chunk, each from the byte ranges it covers."""
     c, n, s = self._storage_shape, len(lo), self._stored.itemsize
     stride = [s * math.prod(c[j + 1:]) for j in range(n)]
-    most = max(limit // 4, _MIN_READ) // s * s  # bytes per read, in flight
+    flight = max(limit // 4, _MIN_READ) // s * s  # bytes of reads in flight
+    most = min(flight, max(_MAX_READ // s, 1) * s)  # bytes per read
     level = _level([b - a for a, b in zip(lo, hi)], s, limit)
     for plo, phi in _split(lo, hi, *level):
       piece = hostmem.empty_aligned([b - a for a, b in zip(plo, phi)], self._stored)
@@ -483,7 +489,7 @@ class StoredArray:
                    start + x, min(most, run_bytes - x))
                   for x in range(0, run_bytes, most)]
         for dst, shape, sel, a, size in jobs:
-          if pending and (in_flight + size > most or len(pending) >= _MAX_READS):
+          if pending and (in_flight + size > flight or len(pending) >= _MAX_READS):
             self._land(pending)
             in_flight = 0
           pending.append((dst, shape, sel, self._read(blob, a, a + size)))

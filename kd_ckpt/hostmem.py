@@ -457,7 +457,7 @@ def release_free_memory() -> bool:
   return bool(libc.malloc_trim(0))
 
 
-_M_MMAP_THRESHOLD = -3  # mallopt() parameter numbers, from glibc's malloc.h.
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt() parameters, glibc's malloc.h.
 # While kd_ckpt holds host buffers: slices and encode buffers are 1-64 MiB.
 _OPERATION_MMAP_THRESHOLD_BYTES = 1 << 20
 # Reads: their pieces, decoded slabs and device copies recur at one size per
@@ -470,6 +470,15 @@ READ_MMAP_THRESHOLD_BYTES = 8 << 20
 # After: the ceiling of glibc's own dynamic threshold (DEFAULT_MMAP_THRESHOLD_MAX
 # on 64-bit), where a process that has freed any large buffer ends up anyway.
 _RESTING_MMAP_THRESHOLD_BYTES = 32 << 20
+# Setting the mmap threshold freezes glibc's trim threshold (free bytes an
+# arena keeps at its top) wherever it was: 128 KiB in a fresh process.  Each
+# scope sets it too, at glibc's own 2x the mmap threshold, except reads: their
+# 4 MiB byte-range reads (chunkread._MAX_READ), freed by several threads, were
+# given back and faulted in again at every read, and the kernel's mm lock
+# held up every other thread's page faults (a 1 GiB restore: 2.4-3.1 s at
+# 128 KiB, 1.95 s at 16 MiB, 0.71 s at 32 MiB).  The restore trims every
+# arena as it goes (`release_free_memory`).
+_TRIM_THRESHOLD_BYTES = {READ_MMAP_THRESHOLD_BYTES: 32 << 20}
 _mmap_scopes: collections.Counter = collections.Counter()  # threshold -> open scopes
 _mmap_current: int | None = None
 _mmap_lock = threading.Lock()
@@ -496,7 +505,9 @@ def _set_mmap_threshold(nbytes: int) -> bool:
   libc = _libc()
   if libc is None or not hasattr(libc, 'mallopt'):
     return False
-  return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(nbytes)))
+  trim = _TRIM_THRESHOLD_BYTES.get(int(nbytes), 2 * int(nbytes))
+  return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(nbytes))
+              and libc.mallopt(_M_TRIM_THRESHOLD, trim))
 
 
 @contextlib.contextmanager

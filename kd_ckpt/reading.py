@@ -93,10 +93,14 @@ def read_context() -> ts.Context:
   OCDBT reads its manifest and B-tree nodes once per context (a context per
   leaf re-read them: 17 ms/leaf for 10,000 leaves); the node cache is small
   (Orbax's default is 100 MB, outside any budget) and no decoded chunk is
-  cached.
+  cached.  Local files are read through memory maps: TensorStore's default
+  file reads and their conversion to Python bytes ran at 0.4 GB/s from the
+  page cache here, mapped reads of <= 4 MiB at 4-5.6 GB/s (copied into the
+  destination array); a mapping lasts as long as the bytes read from it.
   """
   return ts.Context({
       'file_io_concurrency': {'limit': 32},
+      'file_io_mode': {'mode': 'memmap'},
       'cache_pool': {'total_bytes_limit': 0},
       'cache_pool#ocdbt': {'total_bytes_limit': cost.READ_NODE_CACHE_BYTES},
   })

@@ -224,3 +224,46 @@ def test_malloc_tuning_lasts_only_while_an_operation_holds_buffers(tmp_path):
 def test_format_bytes():
   assert hostmem.format_bytes(3 * GiB) == '3.00 GiB'
   assert hostmem.format_bytes(10) == '10 B'
+
+
+_TRIM = """
+import ctypes, json
+from kd_ckpt import hostmem
+from tests import test_budget_hostmem as t
+libc = ctypes.CDLL('libc.so.6')
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.mallinfo2.restype = t._MallInfo2
+
+def kept(nbytes):
+  # Freed at the heap's top: kept for the next allocation unless trimmed.
+  libc.free(libc.malloc(nbytes))
+  return libc.mallinfo2().keepcost
+
+out = []
+with hostmem.mmap_large_buffers(hostmem.READ_MMAP_THRESHOLD_BYTES):
+  out.append(kept(4 << 20))
+with hostmem.mmap_large_buffers():
+  out.append(kept(4 << 20))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(
+    'MALLOC_MMAP_THRESHOLD_' in os.environ or 'GLIBC_TUNABLES' in os.environ,
+    reason="the user's own malloc settings are left alone")
+def test_reads_keep_freed_read_buffers_in_the_heap(tmp_path):
+  """A read's 4 MiB byte-range reads, freed, stay in the heap for the next
+  read (trim threshold 32 MiB) instead of being given back and faulted in
+  again each time; a save's scope gives such a block back (2 MiB)."""
+  import json  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  _mmapped_chunks_for(0, 0)  # skips where glibc has no mallinfo2
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run([sys.executable, '-c', _TRIM], cwd=repo, capture_output=True,
+                        text=True, timeout=300, env={**os.environ, 'PYTHONPATH': repo})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  read_kept, save_kept = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert read_kept >= 4 << 20, read_kept
+  assert save_kept < 4 << 20, save_kept
