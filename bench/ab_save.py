@@ -12,6 +12,9 @@ conv=fsync` of the same bytes before each rep:
   auto            `kd_ckpt.save(strategy='auto')` at the same budget
   orbax           `ocp.StandardCheckpointer().save` + `wait_until_finished`
 
+A kd_ckpt variant may name its own budget, `now@1GiB` or `auto@1GiB`
+(otherwise `--budget`): does a larger budget save faster?
+
 Besides seconds: the process's CPU seconds (user + system), the device's
 cache flushes and write requests (/proc/diskstats), and the seconds spent in
 the device-to-host copies (`streaming.to_host`).  The "before" variants are
@@ -19,6 +22,7 @@ made by patching the writer from here; the product has no switch for them.
 
   .venv/bin/python bench/ab_save.py --state gemma_gb --reps 3 --out bench/results/ab_save.md
   .venv/bin/python bench/ab_save.py --state gemma_gb --reps 8 --variants now,auto,orbax
+  .venv/bin/python bench/ab_save.py --state big --reps 5 --variants now,now@1GiB,auto,auto@1GiB
 """
 
 from __future__ import annotations
@@ -71,11 +75,14 @@ def main(argv=None) -> int:
   ap.add_argument('--variants', default=','.join(VARIANTS),
                   help=f'comma-separated, of {VARIANTS} (default: all)')
   args = ap.parse_args(argv)
-  variants = tuple(v for v in VARIANTS if v in args.variants.split(','))
-  if 'now' in variants:
-    variants = ('now',) + tuple(v for v in variants if v != 'now')
-  if not variants or set(args.variants.split(',')) - set(VARIANTS):
-    ap.error(f'--variants {args.variants!r}: choose from {",".join(VARIANTS)}')
+  asked = args.variants.split(',')
+  bad = [v for v in asked if v.partition('@')[0] not in VARIANTS
+         or ('@' in v and v.partition('@')[0] not in ('now', 'auto'))]
+  if not asked or bad:
+    ap.error(f'--variants {args.variants!r}: {bad} unknown; choose from {",".join(VARIANTS)}'
+             ' (now and auto may add @BUDGET, e.g. now@1GiB)')
+  # In VARIANTS' order, each with its budgeted forms after it; 'now' first.
+  variants = tuple(a for v in VARIANTS for a in asked if a.partition('@')[0] == v)
   os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
 
   import jax  # pylint: disable=g-import-not-at-top
@@ -112,19 +119,20 @@ def main(argv=None) -> int:
       os.remove(f)
       order = variants if rep % 2 == 0 else variants[::-1]
       for v in order:
-        undo = _patch(v, streaming)
-        path = os.path.join(root, f'c{rep}_{v.replace("/", "_").replace(" ", "_")}')
+        kind, _, budget = v.partition('@')
+        undo = _patch(kind, streaming)
+        path = os.path.join(root, f'c{rep}_{v.replace("/", "_").replace("@", "_")}')
         copy_secs.clear()
         c0, d0, t = os.times(), _disk(root), time.perf_counter()
         try:
-          if v == 'orbax':
+          if kind == 'orbax':
             ckptr = ocp.StandardCheckpointer()
             ckptr.save(path, state)
             ckptr.wait_until_finished()
             ckptr.close()
           else:
-            kd_ckpt.save(path, state, strategy='auto' if v == 'auto' else 'streaming',
-                         host_ram_budget=args.budget)
+            kd_ckpt.save(path, state, strategy='auto' if kind == 'auto' else 'streaming',
+                         host_ram_budget=budget or args.budget)
         finally:
           undo()
         secs, c1, d1 = time.perf_counter() - t, os.times(), _disk(root)
