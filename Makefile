@@ -1,8 +1,8 @@
 # kd_ckpt: JAX checkpoints that stay inside a host-RAM budget.
 #
 #   make test          unit + integration tests (pytest on 2 workers, CPU-bound,
-#                      so more workers do not help): 11.6 min of tests on 2
-#                      cores at a3c1763 from a fresh clone (14.7 min with the
+#                      so more workers do not help): 9.9 min of tests on 2
+#                      cores at 853b67b from a fresh clone (12.6 min with the
 #                      venv); on a slower day 21.7 min at cc3508d and 20.1 min
 #                      at 9506c6a, run one after the other
 #   make sweep-restores  restores over untuned shapes x budgets; none may stall

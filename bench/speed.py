@@ -337,9 +337,9 @@ def _save_restore_worker(spec: dict) -> dict:
     out['dd_before_secs'] = _dd_secs(os.path.join(root, 'dd.bin'), spec['bytes'])
   # Leaf rows save `leaf_saves` times (the median is reported): one save of
   # tiny leaves takes ~0.03-15 s, where a single sample varies by ~10%.
-  each = []
-  for i in range(spec.get('saves', 1)):
-    dest = path if i == spec.get('saves', 1) - 1 else f'{path}.{i}'
+  each, saves = [], max(1, spec.get('saves', 1))
+  for i in range(saves):
+    dest = path if i == saves - 1 else f'{path}.{i}'
     start = time.perf_counter()
     save(dest, state, budget)
     each.append(time.perf_counter() - start)
@@ -580,6 +580,8 @@ def main(argv=None) -> int:
   p.add_argument('--leaf-bytes', default='4KiB')
   p.add_argument('--worker', default='', help=argparse.SUPPRESS)
   args = p.parse_args(argv)
+  if args.leaf_saves < 1:
+    p.error(f'--leaf-saves {args.leaf_saves}: needs to be at least 1')
   if args.worker:
     print(json.dumps(_worker(json.loads(args.worker))))
     return 0
