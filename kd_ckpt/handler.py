@@ -177,7 +177,7 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     plan = getattr(args, 'plan', None) or plan_lib.plan_save(
         item, host_ram_budget=self._budget, strategy=self._strategy,
         startup_bytes=startup.start_compiler() if startup.compiles(item) else 0,
-        save_id=directory)
+        save_id=directory, blocking=False)
     ctx = getattr(args, 'context', None) or context_for(plan)
     if plan.strategy == 'streaming':
       array_handler = streaming.StreamingArrayHandler(

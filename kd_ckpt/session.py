@@ -64,7 +64,8 @@ class MeasuredSave:
                item_dirs: dict[str, Any] | None = None,
                reuse_from: dict[str, Any] | None = None,
                fingerprint: bool = False,
-               label: str = ''):
+               label: str = '',
+               blocking: bool = True):
     # Refused before anything is measured, planned or written.
     storage.check_supported(directory)
     self.directory = epath.Path(directory)
@@ -87,7 +88,8 @@ class MeasuredSave:
     self.plan = plan_lib.plan_save(
         tree, host_ram_budget=host_ram_budget, strategy=strategy,
         startup_bytes=(startup.start_compiler() if startup.compiles(tree) else 0)
-        + startup.start_storage(directory), save_id=self.directory)
+        + startup.start_storage(directory), save_id=self.directory,
+        blocking=blocking)
     self.stats = arrays_lib.SaveStats()
     self._contexts = {}
     # Reuse (or `fingerprint`): every leaf's fingerprint is recorded, so the

@@ -81,14 +81,14 @@ def to_host(data: jax.Array, box: slicing.Box, *, pinned: bool = False,
   into `out` (a reused buffer of the slice's shape and dtype, see
   `_BufferPool`) or a fresh one, which is exactly what a GPU host pays (one
   host buffer per slice) -- no more, no less.  `out` is used on CPU only.
-  On CPU only a whole shard sent to pinned memory takes Orbax's transfer
-  (a real copy there too).
+  On CPU a whole shard that is not pooled still takes Orbax's transfer, so
+  that Orbax's `enable_pinned_host_transfer` reaches it as in Orbax's own
+  writer (its handler tests check that); without pinned memory that
+  transfer hands back a view of the shard, copied here.
   """
   whole = all(s.start == 0 and s.stop == n for s, n in zip(box, data.shape))
   cpu = next(iter(data.devices())).platform == 'cpu'
-  if cpu and (out is not None or not whole or not pinned):
-    # Without pinned memory Orbax's transfer hands back a view of this same
-    # buffer, at ~80 us a call, where copying a 4 KiB leaf takes 2 us.
+  if cpu and (out is not None or not whole):
     view = np.asarray(data)  # zero-copy on CPU; `data` is a per-shard array.
     part = view if whole else view[box]
     if out is None:

@@ -150,6 +150,47 @@ def test_policy_forced_strategies():
   assert o.strategy == 'orbax' and o.fits
 
 
+def _leaves_est(num_leaves, leaf_bytes):
+  return estimate_lib.estimate_tree(
+      {f'l{i:04d}': jax.ShapeDtypeStruct((leaf_bytes // 4,), 'float32')
+       for i in range(num_leaves)}, platform='gpu')
+
+
+def test_policy_streams_a_blocking_save_of_small_leaves():
+  """Where Orbax's worst case fits, a blocking save of small leaves streams
+  (kd_ckpt's writer is faster per leaf), an async one keeps Orbax's save, and
+  leaves of the threshold's size or more keep Orbax's save either way."""
+  limit = plan_lib.STREAM_SMALL_LEAVES_BELOW_BYTES
+  small = _leaves_est(500, limit - 1024)
+  blocking = plan_lib.plan_from_estimate(small, budget_bytes=8 << 30)
+  assert any(c.fits for c in blocking.candidates if c.strategy == 'orbax')
+  assert blocking.strategy == 'streaming' and blocking.enforced
+  assert 'blocking save of 500 leaves' in blocking.why and blocking.why in str(blocking)
+  background = plan_lib.plan_from_estimate(small, budget_bytes=8 << 30, blocking=False)
+  assert background.strategy == 'orbax' and 'training goes on' in background.why
+  at_limit = plan_lib.plan_from_estimate(_leaves_est(500, limit), budget_bytes=8 << 30)
+  assert at_limit.strategy == 'orbax', at_limit.why
+  # Forced strategies are not second-guessed.
+  forced = plan_lib.plan_from_estimate(small, budget_bytes=8 << 30, strategy='orbax')
+  assert forced.strategy == 'orbax' and 'asked for' in forced.why
+  assert plan_lib.plan_from_estimate(
+      small, budget_bytes=64 * MiB).why == 'no Orbax variant fits the budget in its worst case'
+
+
+def test_save_and_its_preflight_agree_on_small_leaves(tmp_path):
+  """kd_ckpt.plan_save previews kd_ckpt.save: both stream 300 leaves of 1 KiB,
+  whose checkpoint stock Orbax restores."""
+  tree = {f'l{i:03d}': jnp.full((256,), i, jnp.float32) for i in range(300)}
+  plan = kd_ckpt.plan_save(tree, host_ram_budget='256MiB')
+  assert plan.strategy == 'streaming', plan.why
+  assert plan.to_json_dict()['why'] == plan.why
+  report = kd_ckpt.save(tmp_path / 'c', tree, host_ram_budget='256MiB')
+  assert report.strategy == 'streaming'
+  back = ocp.StandardCheckpointer().restore(tmp_path / 'c', jax.eval_shape(lambda: tree))
+  for k, v in tree.items():
+    np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(v))
+
+
 def test_orbax_worst_case_on_cpu_counts_replica_parallel_slices():
   """On the CPU backend only replica-parallel slices are new host buffers."""
   sharded = _est('cpu')

@@ -222,7 +222,7 @@ class SafeCheckpointer(kd.ckpts.Checkpointer):
     for attempt in range(SAVE_RETRIES + 1):
       s = session_lib.MeasuredSave(
           step_dir, items, host_ram_budget=self._budget(), strategy=self.strategy,
-          reuse_from=reuse_from, label=f'step {step}')
+          reuse_from=reuse_from, label=f'step {step}', blocking=False)
       s.check_disk()
       async_commit = s.plan.strategy == 'orbax'
       try:

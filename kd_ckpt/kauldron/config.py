@@ -384,7 +384,7 @@ def plan_config(
   if strategy is None:
     strategy = getattr(ckpt, 'strategy', 'auto')
   plan = plan_lib.plan_save(state, host_ram_budget=host_ram_budget, strategy=strategy,
-                            platform=platform)
+                            platform=platform, blocking=False)
   batch = {k: f'{jax.numpy.dtype(v.dtype).name}{list(v.shape)}'
            for k, v in flatten_spec(elem_spec).items()}
   return ConfigPlan(plan=plan, config=config_path(cfg_args),
