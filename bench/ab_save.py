@@ -10,6 +10,8 @@ conv=fsync` of the same bytes before each rep:
   before          that, and every slice copied into a fresh host buffer
                   (no `_BufferPool`): the writer at 9506c6a
   auto            `kd_ckpt.save(strategy='auto')` at the same budget
+  kd-orbax        `kd_ckpt.save(strategy='orbax')`: Orbax's writer with the
+                  settings auto picks where Orbax's worst case fits
   orbax           `ocp.StandardCheckpointer().save` + `wait_until_finished`
 
 A kd_ckpt variant may name its own budget, `now@1GiB` or `auto@1GiB`
@@ -23,6 +25,7 @@ made by patching the writer from here; the product has no switch for them.
   .venv/bin/python bench/ab_save.py --state gemma_gb --reps 3 --out bench/results/ab_save.md
   .venv/bin/python bench/ab_save.py --state gemma_gb --reps 8 --variants now,auto,orbax
   .venv/bin/python bench/ab_save.py --state big --reps 5 --variants now,now@1GiB,auto,auto@1GiB
+  .venv/bin/python bench/ab_save.py --state leaves --leaves 1000 --leaf-bytes 4096 --reps 7 --variants now,auto,orbax
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, 'bench'))
 
 import workloads  # pylint: disable=g-import-not-at-top,wrong-import-position
-VARIANTS = ('now', 'fsync/commit', 'before', 'auto', 'orbax')
+VARIANTS = ('now', 'fsync/commit', 'before', 'auto', 'kd-orbax', 'orbax')
 
 
 def _disk(root: str):
@@ -112,7 +115,7 @@ def main(argv=None) -> int:
     for rep in range(args.reps):
       f = os.path.join(root, 'dd.bin')
       d0, t = _disk(root), time.perf_counter()
-      subprocess.run(['dd', 'if=/dev/zero', f'of={f}', 'bs=1M', f'count={nbytes >> 20}',
+      subprocess.run(['dd', 'if=/dev/zero', f'of={f}', 'bs=1M', f'count={-(-nbytes // (1 << 20))}',
                       'conv=fsync'], check=True, capture_output=True)
       secs, d1 = time.perf_counter() - t, _disk(root)
       rows['dd'].append((secs, 0.0, d1[2] - d0[2], d1[1] - d0[1], 0.0))
@@ -131,8 +134,8 @@ def main(argv=None) -> int:
             ckptr.wait_until_finished()
             ckptr.close()
           else:
-            kd_ckpt.save(path, state, strategy='auto' if kind == 'auto' else 'streaming',
-                         host_ram_budget=budget or args.budget)
+            kd_ckpt.save(path, state, strategy={'auto': 'auto', 'kd-orbax': 'orbax'}.get(
+                kind, 'streaming'), host_ram_budget=budget or args.budget)
         finally:
           undo()
         secs, c1, d1 = time.perf_counter() - t, os.times(), _disk(root)
@@ -147,9 +150,11 @@ def main(argv=None) -> int:
   base = 'before' if 'before' in variants else 'orbax' if 'orbax' in variants else variants[0]
   med = lambda v, i: float(np.median([r[i] for r in rows[v]]))
   lines = [
-      f'<!-- .venv/bin/python bench/ab_save.py --state {args.state} --budget {args.budget}'
-      f' --reps {args.reps} --variants {",".join(variants)} -->',
-      f'{args.state}: {nbytes / 1e9:.2f} GB, {len(jax.tree.leaves(state))} leaves,'
+      f'<!-- .venv/bin/python bench/ab_save.py --state {args.state}'
+      + (f' --leaves {args.leaves} --leaf-bytes {args.leaf_bytes}' if args.state == 'leaves'
+         else '') +
+      f' --budget {args.budget} --reps {args.reps} --variants {",".join(variants)} -->',
+      f'{args.state}: {nbytes / 1e9:.4f} GB, {len(jax.tree.leaves(state))} leaves,'
       f' {len(jax.devices())} devices, streaming at {args.budget}, {os.cpu_count()} cores;'
       f' medians of {args.reps} alternating reps (each rep: dd, then the variants).',
       '',

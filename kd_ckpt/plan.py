@@ -14,8 +14,8 @@ Each strategy is a small object with its own `predict` (the numbers come from
      `cost.min_budget_bytes()`, on any state, and blocks until durable.
 
 A save that blocks until durable anyway (`kd_ckpt.save`) gains nothing from
-Orbax's async commit: there `auto` streams a tree of small leaves (under
-`STREAM_SMALL_LEAVES_BELOW_BYTES` on average), which kd_ckpt's writer saves
+Orbax's async commit: there `auto` streams a tree of small leaves (at most
+`STREAM_LEAVES_UP_TO_BYTES` on average), which kd_ckpt's writer saves
 faster than Orbax's, even where Orbax's worst case fits.
 
 zstd is not among the choices: TensorStore's zstd encoder fragments glibc's
@@ -45,14 +45,16 @@ from kd_ckpt import text
 Strategy = Literal['auto', 'orbax', 'streaming']
 STRATEGIES = ('auto', 'orbax', 'streaming')
 
-# Below this mean leaf size a blocking save streams under `auto`: per leaf,
+# Up to this mean leaf size a blocking save streams under `auto`: per leaf,
 # kd_ckpt's writer costs less than Orbax's (auto's Orbax path adds kd_ckpt's
 # bookkeeping to Orbax's own), and above it Orbax's writes bytes faster.
-# Measured on this 2-core machine, random f32 leaves on one device, median
-# of 5 saves alternating in one process, streaming's time over auto's Orbax
-# path: 1,000 x 4 KiB 0.90, 1,000 x 16 KiB 0.96, 500 x 64 KiB 0.87,
-# 300 x 128 KiB 1.07, 300 x 256 KiB 1.15, 100 x 1 MiB 1.13, 40 x 4 MiB 1.14.
-STREAM_SMALL_LEAVES_BELOW_BYTES = 64 * 1024
+# Streaming's time over the Orbax path's on this 2-core machine, hashed f32
+# leaves on one device, median of 5 saves alternating in one process
+# (`bench/ab_save.py --state leaves --leaves N --leaf-bytes B --reps 5
+# --variants now,kd-orbax,orbax`): 1,000 x 4 KiB 0.91, 1,000 x 16 KiB 0.99,
+# 500 x 64 KiB 0.86; 300 x 128 KiB 1.05, 300 x 256 KiB 1.24, 100 x 1 MiB
+# 1.10, 40 x 4 MiB 1.39.
+STREAM_LEAVES_UP_TO_BYTES = 64 * 1024
 
 
 class BudgetTooSmallError(ValueError):
@@ -336,13 +338,13 @@ def check_strategy(strategy: str) -> str:
 
 
 def _small_leaves(est: estimate_lib.TreeEstimate) -> bool:
-  """Whether the tree's leaves average under STREAM_SMALL_LEAVES_BELOW_BYTES.
+  """Whether the tree's leaves average at most STREAM_LEAVES_UP_TO_BYTES.
 
   Global bytes and leaf count are the same on every process, so every
   process of a job decides alike.
   """
   return (est.num_leaves > 0
-          and est.global_bytes < STREAM_SMALL_LEAVES_BELOW_BYTES * est.num_leaves)
+          and est.global_bytes <= STREAM_LEAVES_UP_TO_BYTES * est.num_leaves)
 
 
 def plan_from_estimate(
@@ -399,7 +401,7 @@ def plan_from_estimate(
     elif best_orbax is not None and best_orbax.fits:
       mean = text.format_bytes(est.global_bytes // est.num_leaves)
       why = (f'a blocking save of {est.num_leaves} leaves of {mean} on average'
-             f' (under {text.format_bytes(STREAM_SMALL_LEAVES_BELOW_BYTES)}):'
+             f' (at most {text.format_bytes(STREAM_LEAVES_UP_TO_BYTES)}):'
              " kd_ckpt's writer saves small leaves faster than Orbax's")
     else:
       why = 'no Orbax variant fits the budget in its worst case'

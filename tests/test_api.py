@@ -159,17 +159,17 @@ def _leaves_est(num_leaves, leaf_bytes):
 def test_policy_streams_a_blocking_save_of_small_leaves():
   """Where Orbax's worst case fits, a blocking save of small leaves streams
   (kd_ckpt's writer is faster per leaf), an async one keeps Orbax's save, and
-  leaves of the threshold's size or more keep Orbax's save either way."""
-  limit = plan_lib.STREAM_SMALL_LEAVES_BELOW_BYTES
-  small = _leaves_est(500, limit - 1024)
+  larger leaves keep Orbax's save either way."""
+  limit = plan_lib.STREAM_LEAVES_UP_TO_BYTES
+  small = _leaves_est(500, limit)
   blocking = plan_lib.plan_from_estimate(small, budget_bytes=8 << 30)
   assert any(c.fits for c in blocking.candidates if c.strategy == 'orbax')
   assert blocking.strategy == 'streaming' and blocking.enforced
   assert 'blocking save of 500 leaves' in blocking.why and blocking.why in str(blocking)
   background = plan_lib.plan_from_estimate(small, budget_bytes=8 << 30, blocking=False)
   assert background.strategy == 'orbax' and 'training goes on' in background.why
-  at_limit = plan_lib.plan_from_estimate(_leaves_est(500, limit), budget_bytes=8 << 30)
-  assert at_limit.strategy == 'orbax', at_limit.why
+  above = plan_lib.plan_from_estimate(_leaves_est(500, limit + 4), budget_bytes=8 << 30)
+  assert above.strategy == 'orbax', above.why
   # Forced strategies are not second-guessed.
   forced = plan_lib.plan_from_estimate(small, budget_bytes=8 << 30, strategy='orbax')
   assert forced.strategy == 'orbax' and 'asked for' in forced.why
