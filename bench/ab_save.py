@@ -53,6 +53,11 @@ def _disk(root: str):
   return d['written_bytes'], d['writes'], d['flushes']
 
 
+def _tree_bytes(path: str) -> int:
+  """Bytes of the files under path (the checkpoint's size)."""
+  return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
 def _patch(variant: str, streaming):
   """Applies a variant; returns its undo."""
   undo = []
@@ -118,7 +123,7 @@ def main(argv=None) -> int:
       subprocess.run(['dd', 'if=/dev/zero', f'of={f}', 'bs=1M', f'count={-(-nbytes // (1 << 20))}',
                       'conv=fsync'], check=True, capture_output=True)
       secs, d1 = time.perf_counter() - t, _disk(root)
-      rows['dd'].append((secs, 0.0, d1[2] - d0[2], d1[1] - d0[1], 0.0))
+      rows['dd'].append((secs, 0.0, d1[2] - d0[2], d1[1] - d0[1], 0.0, os.path.getsize(f)))
       os.remove(f)
       order = variants if rep % 2 == 0 else variants[::-1]
       for v in order:
@@ -140,7 +145,8 @@ def main(argv=None) -> int:
           undo()
         secs, c1, d1 = time.perf_counter() - t, os.times(), _disk(root)
         cpu = (c1.user - c0.user) + (c1.system - c0.system)
-        rows[v].append((secs, cpu, d1[2] - d0[2], d1[1] - d0[1], copy_secs['s']))
+        rows[v].append((secs, cpu, d1[2] - d0[2], d1[1] - d0[1], copy_secs['s'],
+                        _tree_bytes(path)))
         print(f'rep {rep} {v}: {secs:.2f} s, dd {rows["dd"][-1][0]:.2f} s', flush=True)
         shutil.rmtree(path)
   finally:
@@ -151,23 +157,23 @@ def main(argv=None) -> int:
   med = lambda v, i: float(np.median([r[i] for r in rows[v]]))
   lines = [
       f'<!-- .venv/bin/python bench/ab_save.py --state {args.state}'
-      + (f' --leaves {args.leaves} --leaf-bytes {args.leaf_bytes}' if args.state == 'leaves'
-         else '') +
+      + (f' --leaves {args.leaves} --leaf-bytes {args.leaf_bytes} --leaf-values {args.leaf_values}'
+         if args.state == 'leaves' else '') +
       f' --budget {args.budget} --reps {args.reps} --variants {",".join(variants)} -->',
       f'{args.state}: {nbytes / 1e9:.4f} GB, {len(jax.tree.leaves(state))} leaves,'
       f' {len(jax.devices())} devices, streaming at {args.budget}, {os.cpu_count()} cores;'
       f' medians of {args.reps} alternating reps (each rep: dd, then the variants).',
       '',
       f'| variant | save s (each rep) | median s | x dd (throughput) | x {base} |'
-      ' process CPU s | device flushes | write requests | to_host s |',
-      '| --- | --- | --- | --- | --- | --- | --- | --- | --- |']
+      ' process CPU s | device flushes | write requests | to_host s | files MB |',
+      '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |']
   for v in ('dd',) + variants:
     each = ' / '.join(f'{r[0]:.2f}' for r in rows[v])
     cpu, copy = ('-', '-') if v == 'dd' else (f'{med(v, 1):.2f}', f'{med(v, 4):.2f}')
     lines.append(
         f'| {v} | {each} | {med(v, 0):.2f} | {med("dd", 0) / med(v, 0):.2f} |'
         f' {med(v, 0) / med(base, 0):.2f} | {cpu} | {med(v, 2):.0f} |'
-        f' {med(v, 3):.0f} | {copy} |')
+        f' {med(v, 3):.0f} | {copy} | {med(v, 5) / 1e6:.2f} |')
   text = '\n'.join(lines) + '\n'
   print(text)
   if args.out:

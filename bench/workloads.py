@@ -90,6 +90,8 @@ def add_one_state_args(ap, *, reps: int) -> None:
   ap.add_argument('--gb', type=float, default=None, help='state size (default: the bench\'s)')
   ap.add_argument('--leaves', type=int, default=1000)
   ap.add_argument('--leaf-bytes', type=int, default=4096)
+  ap.add_argument('--leaf-values', default='hashed', choices=('hashed', 'zeros'),
+                  help='zeros: as a freshly initialised optimizer state (compressible)')
   ap.add_argument('--budget', default='256MiB')
   ap.add_argument('--reps', type=int, default=reps)
   ap.add_argument('--dir', default=None, help='where to write (default: a temp dir)')
@@ -98,7 +100,7 @@ def add_one_state_args(ap, *, reps: int) -> None:
 def build_one_state(jax, args):
   """The state `add_one_state_args`'s arguments name, at their size."""
   if args.state == 'leaves':
-    return build_leaves(jax, args.leaves, args.leaf_bytes)
+    return build_leaves(jax, args.leaves, args.leaf_bytes, zeros=args.leaf_values == 'zeros')
   total = int(args.gb * 1e9) if args.gb else (
       GEMMA_GB_BYTES if args.state == 'gemma_gb' else BIG_BYTES)
   return build_gb_state(jax, args.state, total)
@@ -177,16 +179,17 @@ def build_gemma_gb(jax, total_bytes: int, layers: int = GEMMA_GB_LAYERS):
   return jax.block_until_ready(state)
 
 
-def build_leaves(jax, num_leaves: int, leaf_bytes: int):
-  """`num_leaves` f32 leaves of `leaf_bytes` (hashed values) on one device."""
+def build_leaves(jax, num_leaves: int, leaf_bytes: int, zeros: bool = False):
+  """`num_leaves` f32 leaves of `leaf_bytes` (hashed values, or zeros) on one device."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
 
   if num_leaves < 1 or leaf_bytes < 4 or leaf_bytes % 4:
     raise ValueError(f'--leaves {num_leaves} --leaf-bytes {leaf_bytes}: need at least one'
                      ' leaf of a positive multiple of 4 bytes (f32).')
   sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  return {f'l{i:05d}': jax.block_until_ready(
-      gen_leaf(jax, (leaf_bytes // 4,), jnp.float32, sharding, i)) for i in range(num_leaves)}
+  make = ((lambda i: jax.device_put(jnp.zeros((leaf_bytes // 4,), jnp.float32), sharding))
+          if zeros else (lambda i: gen_leaf(jax, (leaf_bytes // 4,), jnp.float32, sharding, i)))
+  return {f'l{i:05d}': jax.block_until_ready(make(i)) for i in range(num_leaves)}
 
 
 def build_gb_state(jax, name: str, total_bytes: int):

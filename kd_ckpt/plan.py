@@ -19,8 +19,10 @@ Orbax's async commit: there `auto` streams a tree of small leaves (at most
 faster than Orbax's, even where Orbax's worst case fits.
 
 zstd is not among the choices: TensorStore's zstd encoder fragments glibc's
-thread arenas, and RSS ratcheted by +16 MiB per 25 saves (README, "Soak");
-raw chunks cost ~8% more disk on float weights and are faster here.
+thread arenas, and RSS ratcheted by +16 MiB per 25 saves
+(bench/results/results.md, "Soak"); raw chunks cost ~8% more disk on float
+weights and are faster here, though far more on compressible leaves (zeros:
+README, "Limits and known gaps").
 
 Example:
 
