@@ -204,9 +204,8 @@ def _est(process_index: int) -> estimate_lib.TreeEstimate:
       platform='cpu', process_index=process_index, process_count=2)
 
 
-def test_processes_agree_on_the_plan(monkeypatch):
-  """Each process ranks by the busiest host, fits only where all fit."""
-  budget = 96 * MiB
+def _two_process_exchange():
+  """A stand-in for `exchange.agree` between 2 processes planning in turn."""
   sent = {}
 
   def exchange(me):
@@ -217,6 +216,13 @@ def test_processes_agree_on_the_plan(monkeypatch):
         return sent[me][None]
       return np.stack([sent[0], sent[1]])
     return agree
+  return exchange
+
+
+def test_processes_agree_on_the_plan(monkeypatch):
+  """Each process ranks by the busiest host, fits only where all fit."""
+  budget = 96 * MiB
+  exchange = _two_process_exchange()
 
   # Alone, each would choose differently: process 1 writes least without
   # replica parallelism, process 0 with it.
@@ -234,6 +240,35 @@ def test_processes_agree_on_the_plan(monkeypatch):
   assert plans[0].strategy == plans[1].strategy == 'orbax'
   for c0, c1 in zip(plans[0].candidates, plans[1].candidates):
     assert (c0.fits, c0.orbax, c0.worst_peak_bytes) == (c1.fits, c1.orbax, c1.worst_peak_bytes)
+
+
+def test_processes_agree_to_stream_small_leaves(monkeypatch):
+  """Replicated leaves that process 0 writes all of and process 1 none of:
+  both processes decide alike, from the tree's global size and leaf count
+  (process 1's own share, nothing, would make it stream alone).  Leaves of
+  16 KiB stream in a blocking save and keep Orbax's async save otherwise;
+  leaves of 96 KiB keep Orbax's either way."""
+
+  def est(process_index, leaf):
+    return estimate_lib.TreeEstimate(
+        leaves=tuple(estimate_lib.LeafEstimate(
+            path=f'l{i}', shape=(leaf // 4,), dtype='float32', global_bytes=leaf,
+            shard_bytes=leaf, num_replicas=8, write_bytes=leaf if process_index == 0 else 0,
+            write_bytes_replica_parallel=leaf // 2, replica_parallel_applies=False)
+                     for i in range(100)),
+        platform='cpu', process_index=process_index, process_count=2)
+
+  for leaf, blocking, want in ((16 << 10, True, 'streaming'), (16 << 10, False, 'orbax'),
+                               (96 << 10, True, 'orbax')):
+    exchange = _two_process_exchange()
+    plans = {}
+    for me in (1, 0, 1):
+      monkeypatch.setattr(plan_lib.exchange, 'agree', exchange(me))
+      plans[me] = plan_lib.plan_from_estimate(est(me, leaf), budget_bytes=256 * MiB,
+                                              blocking=blocking)
+    assert plans[0].strategy == plans[1].strategy == want, (plans[0].why, plans[1].why)
+    assert plans[0].why == plans[1].why
+    assert (plans[0].slice_bytes, plans[0].orbax) == (plans[1].slice_bytes, plans[1].orbax)
 
 
 @pytest.mark.slow
