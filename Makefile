@@ -3,7 +3,8 @@
 #   make test          unit + integration tests (pytest on 2 workers, CPU-bound,
 #                      so more workers do not help): 9.9 min of tests on 2
 #                      cores at 853b67b from a fresh clone (12.6 min with the
-#                      venv), 11.8 min (14.8) at 3c3090e on a day every bench
+#                      venv), 11.8 min (14.8) at 3c3090e and 12.0 (15.2) at
+#                      f0f60f6 on a day every bench
 #                      ran ~20% slower; 21.7 min at cc3508d and 20.1 min at
 #                      9506c6a on a slower one, run one after the other
 #   make sweep-restores  restores over untuned shapes x budgets; none may stall
