@@ -19,10 +19,11 @@ Orbax's async commit: there `auto` streams a tree of small leaves (at most
 faster than Orbax's, even where Orbax's worst case fits.
 
 zstd is not among the choices: TensorStore's zstd encoder fragments glibc's
-thread arenas, and RSS ratcheted by +16 MiB per 25 saves
-(bench/results/results.md, "Soak"); raw chunks cost ~8% more disk on float
-weights and are faster here, though far more on compressible leaves (zeros:
-README, "Limits and known gaps").
+thread arenas (over saves 5-50 of 512 MiB, Orbax default's RSS drifted
+22.2 MiB, kd_ckpt's raw saves 1.0-1.6 MiB: bench/results/results.md,
+"Soak"); raw chunks cost ~8% more disk on float weights and are faster
+here, though far more disk and time on compressible leaves (zeros: README,
+"Limits and known gaps").
 
 Example:
 
