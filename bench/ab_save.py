@@ -9,6 +9,9 @@ conv=fsync` of the same bytes before each rep:
                   before `kd_ckpt.writeback`
   before          that, and every slice copied into a fresh host buffer
                   (no `_BufferPool`): the writer at 9506c6a
+  all-raw         every leaf raw, its array created before its data (as
+                  before zero leaves were stored zstd,
+                  `streaming.ZSTD_ZERO_LEAVES_FROM_BYTES`)
   auto            `kd_ckpt.save(strategy='auto')` at the same budget
   kd-orbax        `kd_ckpt.save(strategy='orbax')`: Orbax's writer with the
                   settings auto picks where Orbax's worst case fits
@@ -44,7 +47,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, 'bench'))
 
 import workloads  # pylint: disable=g-import-not-at-top,wrong-import-position
-VARIANTS = ('now', 'fsync/commit', 'before', 'auto', 'kd-orbax', 'orbax')
+VARIANTS = ('now', 'fsync/commit', 'before', 'all-raw', 'auto', 'kd-orbax', 'orbax')
 
 
 def _disk(root: str):
@@ -65,6 +68,10 @@ def _patch(variant: str, streaming):
     old = streaming.writeback_lib
     streaming.writeback_lib = types.SimpleNamespace(Writeback=lambda root: None)
     undo.append(lambda: setattr(streaming, 'writeback_lib', old))
+  if variant == 'all-raw':  # every leaf raw, created in the batch open
+    threshold = streaming.ZSTD_ZERO_LEAVES_FROM_BYTES
+    streaming.ZSTD_ZERO_LEAVES_FROM_BYTES = float('inf')
+    undo.append(lambda: setattr(streaming, 'ZSTD_ZERO_LEAVES_FROM_BYTES', threshold))
   if variant == 'before':
     admit = streaming._Pipeline.admit  # pylint: disable=protected-access
 

@@ -96,6 +96,8 @@ def unseen(name: str, total_bytes: int):
                 columns): each row band ends in an edge chunk, stored whole
   many_small:   2,000 small leaves of mixed dtypes (plus one big one)
   mixed_dtypes: bf16 / int8 / f32 / bool leaves on several layouts
+  zeros:        weights beside zero moments (sharded f32, replicated bf16)
+                and a leaf whose first quarter is zero
   many_medium:  64 leaves of 1-6 MiB on four layouts (Gemma-like)
   """
   m1, m2 = meshes()
@@ -138,6 +140,22 @@ def unseen(name: str, total_bytes: int):
                  // jnp.dtype(dt).itemsize // 8 * 8)
       tree[f'm{i:02d}'] = filled((rows, cols), shs[i % 4], dt, i)
     return tree
+  if name == 'zeros':
+    # A run's first checkpoint: weights beside optimizer moments still at
+    # zero (stored zstd, `streaming.ZSTD_ZERO_LEAVES_FROM_BYTES`), and a leaf
+    # whose first quarter is zero and the rest noise (zstd on noise).
+    cols = 1031
+    rows = _prime_below(max(3, total_bytes // 4 // 4 // cols // 8)) * 8
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    zeros = lambda shape, sh, dt: jax.jit(lambda: jnp.zeros(shape, dt), out_shardings=sh)()
+    head = filled((rows, cols), one, jnp.float32, 1)
+    return {
+        'w': filled((rows, cols), NS(m1, P('x'))),
+        'mu': zeros((rows, cols), NS(m1, P('x')), jnp.float32),
+        'nu': zeros((rows + 1, cols), NS(m1, P()), jnp.bfloat16),
+        'head': jax.jit(lambda x: x.at[:rows // 4].set(0), out_shardings=one,
+                        donate_argnums=0)(head),
+    }
   if name == 'wide_mesh2d':
     # Issue 18's case scaled: rows:cols 3:2 on a 4x2 mesh (24576x16384 at 1.5 GiB).
     cols = max(2, int((total_bytes / 4 / 1.5) ** 0.5)) // 2 * 2
@@ -162,7 +180,7 @@ def _prime_below(n: int) -> int:
 
 
 UNSEEN = ('prime', 'prime_rep', 'mesh2d_prime', 'edge_chunks', 'many_small', 'mixed_dtypes')
-OTHER = ('wide_mesh2d',)
+OTHER = ('wide_mesh2d', 'zeros')
 # Only the restore budget test's (a GCS run of it adds nothing new).
 RESTORE_ONLY = ('many_medium',)
 

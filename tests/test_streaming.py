@@ -202,6 +202,49 @@ def test_format_guard_orbax_chunking_matches_ours(tmp_path):
   assert np.array_equal(t.read().result(), np.asarray(tree['w']))
 
 
+@pytest.mark.parametrize('zarr3', [False, True])
+def test_zero_leaves_are_stored_zstd_as_orbax_stores_them(tmp_path, monkeypatch, zarr3):
+  """A leaf of >= 1 MiB whose first slice is all zero gets Orbax's zstd codec;
+  others stay raw.  Stock Orbax restores every leaf bit-exact, and so does
+  a leaf whose zero first slice is followed by data in later transactions."""
+  from kd_ckpt import handler
+  from kd_ckpt import streaming
+  monkeypatch.setattr(handler, 'USE_ZARR3', zarr3)
+  m1, _ = states.meshes()
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  head = np.array(states.filled((4096, 1031), one))
+  head[:1024] = 0  # 4 MiB of zeros, then 12 MiB of noise: slices of 2 MiB, groups of 4 MiB
+  tree = {
+      'mu': jax.device_put(np.zeros((1024, 1031), np.float32), states.NS(m1, states.P('x'))),
+      'nu': jax.device_put(np.zeros((1031, 521), jax.numpy.bfloat16), states.NS(m1, states.P())),
+      'small': jax.numpy.zeros((64, 64)),  # below ZSTD_ZERO_LEAVES_FROM_BYTES: raw
+      'w': states.filled((1024, 1031), states.NS(m1, states.P('x'))),
+      'head': jax.device_put(head, one),
+  }
+  assert tree['small'].nbytes < streaming.ZSTD_ZERO_LEAVES_FROM_BYTES <= tree['nu'].nbytes
+  plan = kd_ckpt.plan_save(tree, host_ram_budget=48 * MiB, strategy='streaming')
+  assert plan.layout.group_bytes < tree['head'].nbytes - 4 * MiB  # noise in a later group
+  d = tmp_path / 'c'
+  report = kd_ckpt.save(d, tree, host_ram_budget=48 * MiB, strategy='streaming')
+  assert report.strategy == 'streaming'
+  import tensorstore as ts
+  kv = ts.KvStore.open({'driver': 'ocdbt', 'base': f'file://{d}/'}).result()
+
+  def compressed(name):
+    if zarr3:
+      meta = json.loads(kv.read(f'{name}/zarr.json'.encode()).result().value)
+      return 'zstd' in json.dumps(meta['codecs'])
+    return json.loads(kv.read(f'{name}/.zarray'.encode()).result().value)['compressor']
+
+  assert {k: bool(compressed(k)) for k in tree} == {
+      'mu': True, 'nu': True, 'small': False, 'w': False, 'head': True}
+  if not zarr3:
+    assert compressed('mu') == {'id': 'zstd', 'level': 1}  # Orbax's own codec
+  _assert_equal(tree, ocp.StandardCheckpointer().restore(d, _abstract(tree)))
+  _assert_equal(tree, kd_ckpt.restore(d, _abstract(tree), host_ram_budget=48 * MiB))
+  assert kd_ckpt.verify(d).ok
+
+
 def test_restore_into_a_different_sharding(tmp_path):
   tree = _tree()
   tree.pop('empty')
