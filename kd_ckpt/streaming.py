@@ -70,15 +70,19 @@ POOL_MIN_BYTES = 64 << 10
 # A leaf whose first slice is all zero bytes (an optimizer's moments before
 # the first step, a LoRA `B` at init) is stored zstd-compressed, as Orbax's
 # default stores every leaf: raw chunks of zeros cost their full size in disk
-# and write time (40 x 4 MiB of zeros: Orbax 0.15 s and 0.02 MB of files,
-# kd_ckpt raw 0.54 s and 168 MB, zstd 0.20 s and 0.02 MB).  Such a leaf's
-# array is created when its first slice is on the host, in the group's
-# transaction, rather than in the batch before: ~0.3 ms a leaf more, which
-# below 1 MiB a leaf outweighs what zstd saves.  Only the first slice is
-# looked at (a zero first slice and data after it: zstd on the rest, still
-# correct).  Multi-process saves stay raw: the other processes write
-# through the metadata the primary host created before they started.
-ZSTD_ZERO_LEAVES_FROM_BYTES = 1 << 20
+# and write time (40 x 4 MiB of zeros: Orbax 0.14 s and 0.02 MB of files,
+# kd_ckpt raw 0.49 s and 168 MB, zstd 0.21 s and 0.02 MB:
+# bench/results/ab_save_zeros.md).  Such a leaf's array is created when its
+# first slice is on the host, in the group's transaction, rather than in the
+# batch before.  On leaves of noise that cost 0.2-0.6 ms of CPU a leaf at
+# 1 MiB (300 x 1 MiB: 1.13 s against 0.97 s, ab_save_zero_check_1mib.md)
+# and nothing measurable at 4 MiB (100 x 4 MiB: 0.95 s against 1.13 s, and
+# 1.03 against 0.98 in another run, ab_save_zero_check.md): hence the
+# threshold.  Only the first slice is looked at (a zero first slice and data
+# after it: zstd on the rest, still correct).  Multi-process saves stay raw:
+# the other processes write through the metadata the primary host created
+# before they started.
+ZSTD_ZERO_LEAVES_FROM_BYTES = 4 << 20
 # Scanned for a non-zero byte per step: random data stops at the first.
 _ZERO_SCAN_BYTES = 1 << 20
 
