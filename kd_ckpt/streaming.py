@@ -724,27 +724,26 @@ def all_zero(host: np.ndarray) -> bool:
   return not any(np.count_nonzero(flat[i:i + step]) for i in range(0, flat.size, step))
 
 
-def _zarr_metadata(spec: dict[str, Any]) -> dict[str, Any]:
-  node = spec
-  while 'metadata' not in node:  # A cast driver wraps the zarr spec.
-    node = node['base']
-  return node['metadata']
-
-
 def _compressed(tspec: dict[str, Any]) -> bool:
-  meta = _zarr_metadata(tspec)
+  _, meta = _with_metadata_copied(tspec)
   if 'codecs' in meta:
     return 'zstd' in json.dumps(meta['codecs'])
   return meta.get('compressor') is not None
 
 
-def with_zstd(tspec: dict[str, Any]) -> dict[str, Any]:
-  """The spec with Orbax's default compression: zstd level 3 (zarr3), 1 (zarr2)."""
+def _with_metadata_copied(tspec: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+  """A copy of `tspec` and its zarr metadata (copied too, to edit in place)."""
   spec = dict(tspec)
   node = spec
-  while 'metadata' not in node:
+  while 'metadata' not in node:  # A cast driver wraps the zarr spec.
     node = node['base'] = dict(node['base'])
   meta = node['metadata'] = dict(node['metadata'])
+  return spec, meta
+
+
+def with_zstd(tspec: dict[str, Any]) -> dict[str, Any]:
+  """The spec with Orbax's default compression: zstd level 3 (zarr3), 1 (zarr2)."""
+  spec, meta = _with_metadata_copied(tspec)
   if 'codecs' in meta:  # zarr3: inside sharding_indexed, as Orbax puts it
     zstd = {'name': 'zstd', 'configuration': {'level': 3}}
     codecs = [dict(c) for c in meta['codecs']]
@@ -760,11 +759,7 @@ def with_zstd(tspec: dict[str, Any]) -> dict[str, Any]:
 
 def with_chunk_shape(tspec: dict[str, Any], chunk: tuple[int, ...]) -> dict[str, Any]:
   """Sets the zarr chunk grid (outer and inner chunk of `sharding_indexed`)."""
-  spec = dict(tspec)
-  node = spec
-  while 'metadata' not in node:  # A cast driver wraps the zarr spec.
-    node = node['base'] = dict(node['base'])
-  meta = node['metadata'] = dict(node['metadata'])
+  spec, meta = _with_metadata_copied(tspec)
   if 'chunk_grid' in meta:  # zarr3
     meta['chunk_grid'] = {'name': 'regular', 'configuration': {'chunk_shape': list(chunk)}}
     codecs = [dict(c) for c in meta['codecs']]
