@@ -92,8 +92,8 @@ def unseen(name: str, total_bytes: int):
   prime:        prime rows per shard (sharded over 8) and prime columns
   prime_rep:    one replicated leaf of prime dims
   mesh2d_prime: a 4x2 mesh, prime extents per shard on both axes
-  edge_chunks:  one leaf on one device whose chunks do not tile it (31622
-                columns): each row band ends in an edge chunk, stored whole
+  edge_chunks:  one leaf on one device whose chunks do not tile it (31621
+                columns, odd): each row band ends in an edge chunk, stored whole
   many_small:   2,000 small leaves of mixed dtypes (plus one big one)
   mixed_dtypes: bf16 / int8 / f32 / bool leaves on several layouts
   zeros:        weights beside zero moments (sharded f32, replicated bf16)
@@ -114,7 +114,7 @@ def unseen(name: str, total_bytes: int):
     a = _prime_below(max(3, total_bytes // 4 // 8 // b))
     return {'g': filled((4 * a, 2 * b), NS(m2, P('a', 'b')))}
   if name == 'edge_chunks':
-    cols = 31622
+    cols = 31621  # odd: halves of 15811 leave an edge chunk of 15810
     rows = max(12, total_bytes // 4 // cols // 12 * 12)
     return {'w': filled((rows, cols), jax.sharding.SingleDeviceSharding(jax.devices()[0]))}
   if name == 'many_small':

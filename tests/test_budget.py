@@ -90,7 +90,9 @@ def test_save_charges_edge_chunks_as_stored_whole(tmp_path, state_mib):
   TensorStore hold the whole chunk.  Charged as the slice alone, a leaf
   whose row bands each end in a thin edge chunk peaked at 287 MiB (1.12x)
   at 190 MiB of state and 0.98-0.99x at the other sizes: at 256 MiB the
-  slices are big (36 MiB), and so are the edge chunks."""
+  slices are big (36 MiB), and so are the edge chunks.  (Chunks along a
+  whole dim are evened out since, `slicing.chunk_shape`: the edge chunks
+  are 15810 of 15811 columns.)"""
   budget = 256 * MiB
   r = states.run_worker('save', str(tmp_path / 'c'), 'edge_chunks', str(state_mib * MiB),
                         'streaming', str(budget))
