@@ -213,6 +213,11 @@ def make_state(name: str, total_bytes: int):
   return layout(name, total_bytes)
 
 
+def stored_bytes(path) -> int:
+  """Bytes of the files under `path` (a checkpoint's size on disk)."""
+  return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
 def resident_bytes(tree) -> int:
   """Host RAM the arrays of `tree` hold on the CPU backend: each device buffer
   once (devices may share one, e.g. Orbax's `device_put` of one host shard)."""
