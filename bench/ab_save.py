@@ -11,7 +11,7 @@ conv=fsync` of the same bytes before each rep:
                   (no `_BufferPool`): the writer at 9506c6a
   all-raw         every leaf raw, its array created before its data (as
                   before zero leaves were stored zstd,
-                  `streaming.ZSTD_ZERO_LEAVES_FROM_BYTES`)
+                  `arrays.ZSTD_ZERO_LEAVES_FROM_BYTES`)
   auto            `kd_ckpt.save(strategy='auto')` at the same budget
   kd-orbax        `kd_ckpt.save(strategy='orbax')`: Orbax's writer with the
                   settings auto picks where Orbax's worst case fits
@@ -69,9 +69,10 @@ def _patch(variant: str, streaming):
     streaming.writeback_lib = types.SimpleNamespace(Writeback=lambda root: None)
     undo.append(lambda: setattr(streaming, 'writeback_lib', old))
   if variant == 'all-raw':  # every leaf raw, created in the batch open
-    threshold = streaming.ZSTD_ZERO_LEAVES_FROM_BYTES
-    streaming.ZSTD_ZERO_LEAVES_FROM_BYTES = float('inf')
-    undo.append(lambda: setattr(streaming, 'ZSTD_ZERO_LEAVES_FROM_BYTES', threshold))
+    arrays = streaming.arrays_lib
+    threshold = arrays.ZSTD_ZERO_LEAVES_FROM_BYTES
+    arrays.ZSTD_ZERO_LEAVES_FROM_BYTES = float('inf')
+    undo.append(lambda: setattr(arrays, 'ZSTD_ZERO_LEAVES_FROM_BYTES', threshold))
   if variant == 'before':
     admit = streaming._Pipeline.admit  # pylint: disable=protected-access
 

@@ -5,9 +5,11 @@ predict_orbax_async`), kd_ckpt saves exactly as stock Orbax does, async
 included: Orbax's `transfer_arrays_to_host` copies every replica slice this
 process writes to the host before `save()` returns, and Orbax's
 `_async_serialize_replica_slices` writes them in the background, in one OCDBT
-transaction, with the same zarr layout.  The only addition is the CRC32C of
-each host copy, taken right after the transfer on the very buffer Orbax then
-writes (no extra pass, no copy), typed PRNG keys included.
+transaction, with the same zarr layout.  The additions: the CRC32C of each
+host copy, taken right after the transfer on the very buffer Orbax then
+writes (no extra pass, no copy), typed PRNG keys included; and Orbax's zstd
+codec for a leaf whose host copies are all zero (`arrays.
+ZSTD_ZERO_LEAVES_FROM_BYTES`), where the rest is raw.
 
 Example:
 
@@ -17,9 +19,11 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import copy
 from typing import Sequence
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from kd_ckpt import arrays as arrays_lib
@@ -64,10 +68,18 @@ class OrbaxArrayHandler(arrays_lib.KdArrayHandler):
                    path=info.name, shape=rslices.global_shape, dtype=rslices.dtype)
     stats = self.save_context.stats
     primary = self._options.primary_host
+    # Leaves that may be stored zstd (`arrays.ZSTD_ZERO_LEAVES_FROM_BYTES`):
+    # whether their host copies are all zero is looked at in the background
+    # write, so that save() does not wait for the scan.
+    maybe_zstd = [k for k, (rslices, info) in enumerate(zip(host, w_infos))
+                  if _zero_candidate(rslices, info)]
     # What the background write needs of the arrays, taken now: the caller
     # may donate them as soon as `save()` returns.
     metadatas = ([self._write_spec(a, i, g, ext).metadata for a, i, g in zip(arrays, infos, args)]
                  if reuse_job is not None else None)
+    zstd_metadatas = ({k: self._write_spec(w_arrays[k], _with_zstd(w_infos[k]), w_args[k],
+                                           ext).metadata for k in maybe_zstd}
+                      if reuse_job is not None else None)
     kvstore_spec = (reuse.kvstore_of(self._write_spec(arrays[0], infos[0], args[0], ext).json)
                     if reuse_job is not None else None)
     shardings = [a.sharding for a in arrays]
@@ -79,8 +91,16 @@ class OrbaxArrayHandler(arrays_lib.KdArrayHandler):
       if reuse_job is not None:
         await reuse_job(infos[0].ts_context, kvstore_spec)
       if w_arrays:
+        zero = [k for k in maybe_zstd
+                if all(isinstance(d := rs.data(), np.ndarray) and arrays_lib.all_zero(d)
+                       for rs in host[k].replica_slices)]
+        infos_as_written = list(w_infos)
+        for k in zero:
+          infos_as_written[k] = _with_zstd(w_infos[k])
+          if metadatas is not None:
+            metadatas[write_idx[k]] = zstd_metadatas[k]
         await compat.async_replica_slice_writer(
-            host, w_infos, w_args, primary_host=primary, metadata_key=metadata_key,
+            host, infos_as_written, w_args, primary_host=primary, metadata_key=metadata_key,
             array_metadata_store=store if reuse_job is None else None,
             ext_metadata=ext)
         stats.add(sum(h.nbytes for h in host), sum(len(h.replica_slices) for h in host))
@@ -111,3 +131,20 @@ class OrbaxArrayHandler(arrays_lib.KdArrayHandler):
         use_ocdbt=info.is_ocdbt_checkpoint,
         process_index=compat.orbax.process_subdir(info.is_ocdbt_checkpoint),
         metadata_key=self._options.metadata_key, ext_metadata=ext.get(info.name))
+
+
+def _zero_candidate(rslices, info) -> bool:
+  """Whether the leaf is stored zstd if its host copies are all zero.
+
+  `arrays.ZSTD_ZERO_LEAVES_FROM_BYTES`; single-process saves only, as in the
+  streaming writer.
+  """
+  return (jax.process_count() == 1 and not info.use_compression
+          and rslices.nbytes >= arrays_lib.ZSTD_ZERO_LEAVES_FROM_BYTES)
+
+
+def _with_zstd(info):
+  """A copy of Orbax's `ParamInfo` asking for its zstd codec (`use_compression`)."""
+  info = copy.copy(info)
+  info.use_compression = True
+  return info

@@ -22,9 +22,9 @@ zstd is not among the choices: TensorStore's zstd encoder fragments glibc's
 thread arenas (over saves 5-50 of 512 MiB, Orbax default's RSS drifted
 22.2 MiB, kd_ckpt's raw saves 1.0-1.6 MiB: bench/results/results.md,
 "Soak"); raw chunks cost ~8% more disk on float weights and are faster
-here.  The streaming writer stores a leaf of zeros (>= 4 MiB) with zstd as
-Orbax does, `streaming.ZSTD_ZERO_LEAVES_FROM_BYTES` (40 saves with zero
-leaves: RSS drift 0.7 MiB, as raw); Orbax's writer here stores it raw.
+here.  Both writers store a leaf of zeros (>= 4 MiB) with zstd as Orbax
+does, `arrays.ZSTD_ZERO_LEAVES_FROM_BYTES` (40 streaming saves with zero
+leaves: RSS drift 0.7 MiB, as raw).
 
 Example:
 

@@ -67,24 +67,15 @@ SLAB_ALIGN_BYTES = 64
 # Smaller slices (a norm's scale, a step counter) are left to malloc, whose
 # arenas recycle them without a mapping, and go through Orbax's transfer.
 POOL_MIN_BYTES = 64 << 10
-# A leaf whose first slice is all zero bytes (an optimizer's moments before
-# the first step, a LoRA `B` at init) is stored zstd-compressed, as Orbax's
-# default stores every leaf: raw chunks of zeros cost their full size in disk
-# and write time (40 x 4 MiB of zeros: Orbax 0.14 s and 0.02 MB of files,
-# kd_ckpt raw 0.49 s and 168 MB, zstd 0.21 s and 0.02 MB:
-# bench/results/ab_save_zeros.md).  Such a leaf's array is created when its
-# first slice is on the host, in the group's transaction, rather than in the
-# batch before.  On leaves of noise that cost 0.2-0.6 ms of CPU a leaf at
-# 1 MiB (300 x 1 MiB: 1.13 s against 0.97 s, ab_save_zero_check_1mib.md)
-# and nothing measurable at 4 MiB (100 x 4 MiB: 0.95 s against 1.13 s, and
-# 1.03 against 0.98 in another run, ab_save_zero_check.md): hence the
-# threshold.  Only the first slice is looked at (a zero first slice and data
-# after it: zstd on the rest, still correct).  Multi-process saves stay raw:
-# the other processes write through the metadata the primary host created
-# before they started.
-ZSTD_ZERO_LEAVES_FROM_BYTES = 4 << 20
-# Scanned for a non-zero byte per step: random data stops at the first.
-_ZERO_SCAN_BYTES = 1 << 20
+# A leaf that may be stored zstd (`arrays.ZSTD_ZERO_LEAVES_FROM_BYTES`) has
+# its array created when its first slice is on the host, in the group's
+# transaction, rather than in the batch before.  On leaves of noise that cost
+# 0.2-0.6 ms of CPU a leaf at 1 MiB (300 x 1 MiB: 1.13 s against 0.97 s,
+# ab_save_zero_check_1mib.md) and nothing measurable at 4 MiB (100 x 4 MiB:
+# 0.95 s against 1.13 s, and 1.03 against 0.98 in another run,
+# ab_save_zero_check.md): hence the threshold.  Only the first slice is
+# looked at (a zero first slice and data after it: zstd on the rest, still
+# correct).
 
 
 def to_host(data: jax.Array, box: slicing.Box, *, pinned: bool = False,
@@ -293,8 +284,8 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
     # Creating an array's metadata is a small OCDBT commit: do a batch at
     # once rather than one per leaf between data writes.  Batches bound the
     # open TensorStores (charged per leaf, `cost.PER_LEAF_BYTES`).
-    # A leaf that may be stored compressed (`ZSTD_ZERO_LEAVES_FROM_BYTES`) is
-    # created when its first slice is on the host (None here).
+    # A leaf that may be stored compressed (`arrays.ZSTD_ZERO_LEAVES_FROM_BYTES`)
+    # is created when its first slice is on the host (None here).
     async def opened(p):
       return None if _zero_candidate(p) else await self.open_store(p.tspec, context)
     stores = await asyncio.gather(*[opened(p) for p in batch])
@@ -352,7 +343,7 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
           if host.dtype != target_dtype:
             host = host.astype(target_dtype)
           if t is None:
-            t = await pipeline.create(with_zstd(p.tspec) if all_zero(host) else p.tspec,
+            t = await pipeline.create(with_zstd(p.tspec) if arrays_lib.all_zero(host) else p.tspec,
                                       context)
           dst = slicing.offset(tuple(rslice.index), box, p.arr.shape)
           if sums is not None:
@@ -701,27 +692,15 @@ class _Prepared:
 
 
 def _zero_candidate(p: '_Prepared') -> bool:
-  """Whether the leaf's codec waits for its first slice (`ZSTD_ZERO_LEAVES_FROM_BYTES`).
+  """Whether the leaf's codec waits for its first slice (`arrays.ZSTD_ZERO_LEAVES_FROM_BYTES`).
 
   Single-process saves only: other processes open the array from the
   metadata they were given, which must not change after they did.
   """
   shards = len(p.rslices.replica_slices)  # one process: whole shards, no replica slicing
   return (jax.process_count() == 1 and not _compressed(p.tspec)
-          and shards * math.prod(p.local_shape) * p.itemsize >= ZSTD_ZERO_LEAVES_FROM_BYTES)
-
-
-def all_zero(host: np.ndarray) -> bool:
-  """Whether every byte of `host` is 0 (stops at the first non-zero step)."""
-  if not host.flags.c_contiguous:
-    return False  # not a buffer of its own (never on this path); no copy to scan it
-  flat = host.reshape(-1).view(np.uint8)
-  if flat.size % 8 == 0 and flat.ctypes.data % 8 == 0:
-    flat = flat.view(np.uint64)  # 2x faster per byte than uint8
-  if np.count_nonzero(flat[:512]):
-    return False  # most data: at the first bytes
-  step = _ZERO_SCAN_BYTES // flat.itemsize
-  return not any(np.count_nonzero(flat[i:i + step]) for i in range(0, flat.size, step))
+          and shards * math.prod(p.local_shape) * p.itemsize
+          >= arrays_lib.ZSTD_ZERO_LEAVES_FROM_BYTES)
 
 
 def _compressed(tspec: dict[str, Any]) -> bool:
