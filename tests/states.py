@@ -142,7 +142,7 @@ def unseen(name: str, total_bytes: int):
     return tree
   if name == 'zeros':
     # A run's first checkpoint: weights beside optimizer moments still at
-    # zero (stored zstd, `streaming.ZSTD_ZERO_LEAVES_FROM_BYTES`), and a leaf
+    # zero (stored zstd, `arrays.ZSTD_ZERO_LEAVES_FROM_BYTES`), and a leaf
     # whose first quarter is zero and the rest noise (zstd on noise).
     cols = 1031
     rows = _prime_below(max(3, total_bytes // 4 // 4 // cols // 8)) * 8
