@@ -225,6 +225,26 @@ def test_deleting_a_checkpoint_never_changes_another(tmp_path):
     _assert_same(kd_ckpt.restore(tmp_path / str(s), jax.eval_shape(lambda w=want: w)), want)
 
 
+@pytest.mark.parametrize('strategy', ['streaming', 'orbax'])
+def test_a_zero_leaf_stored_zstd_is_reused(tmp_path, strategy):
+  """A frozen leaf of zeros is stored zstd (`arrays.ZSTD_ZERO_LEAVES_FROM_BYTES`)
+  by either writer; the next save links it, and stock Orbax restores both."""
+  frozen = {'zero': jnp.zeros((1 << 20, 2), jnp.float32), 'embed': _frozen()['embed']}
+  trees = [_tree(frozen, step) for step in range(2)]
+  for step, tree in enumerate(trees):
+    r = kd_ckpt.save(tmp_path / str(step), tree, host_ram_budget='1GiB', strategy=strategy,
+                     fingerprint=True, reuse_from=tmp_path / '0' if step else None)
+    assert r.strategy == strategy and r.leaves_reused == (2 if step else 0)
+  for step, tree in enumerate(trees):
+    d = tmp_path / str(step)
+    # zero (8 MiB) takes a few KB; the rest is raw: embed 8 MiB, opt 128 KiB.
+    assert states.stored_bytes(d) < frozen['embed'].nbytes + MiB, states.stored_bytes(d)
+    assert kd_ckpt.verify(d).ok
+    abstract = jax.eval_shape(lambda t=tree: t)
+    _assert_same(kd_ckpt.restore(d, abstract, host_ram_budget='64MiB'), tree)
+    _assert_same(ocp.StandardCheckpointer().restore(d, abstract), tree)
+
+
 def test_reused_leaves_are_covered_by_verify(tmp_path):
   frozen = _frozen()
   kd_ckpt.save(tmp_path / '0', _tree(frozen, 0), fingerprint=True)
