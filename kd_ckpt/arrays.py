@@ -119,15 +119,23 @@ def read_context_for(capacity_bytes: int, num_leaves: int = 0) -> reading.ReadCo
 # optimizer's moments before the first step, a LoRA `B` at init), is stored
 # zstd-compressed, as Orbax's default stores every leaf: raw chunks of zeros
 # cost their full size in disk and write time (40 x 4 MiB of zeros: Orbax
-# 0.14 s and 0.02 MB of files, kd_ckpt raw 0.49 s and 168 MB, zstd 0.21 s and
-# 0.02 MB: bench/results/ab_save_zeros.md).  Both writers look at the bytes
-# once they are on the host (`all_zero`): the streaming writer at a leaf's
-# first slice, Orbax's at its host copies.  Multi-process saves stay raw: the
-# other processes write through the metadata the primary host created before
-# any of them saw a byte.
+# 0.15 s and 0.02 MB of files; kd_ckpt raw 0.50 s and 168 MB; zstd 0.23 s
+# streaming, 0.20 s on Orbax's writer, 0.02 MB: bench/results/
+# ab_save_zeros.md).  Both writers look at the bytes once they are on the
+# host (`all_zero`): the streaming writer at a leaf's first slice, Orbax's
+# at its host copies.
 ZSTD_ZERO_LEAVES_FROM_BYTES = 4 << 20
 # Scanned for a non-zero byte per step: random data stops at the first.
 _ZERO_SCAN_BYTES = 1 << 20
+
+
+def zstd_if_zero(nbytes: int) -> bool:
+  """Whether a leaf of which this process writes `nbytes` is stored zstd if all zero.
+
+  Single-process saves only: the other processes of a job write through the
+  metadata the primary host created before any of them saw a byte.
+  """
+  return jax.process_count() == 1 and nbytes >= ZSTD_ZERO_LEAVES_FROM_BYTES
 
 
 def all_zero(host: np.ndarray) -> bool:

@@ -134,13 +134,8 @@ class OrbaxArrayHandler(arrays_lib.KdArrayHandler):
 
 
 def _zero_candidate(rslices, info) -> bool:
-  """Whether the leaf is stored zstd if its host copies are all zero.
-
-  `arrays.ZSTD_ZERO_LEAVES_FROM_BYTES`; single-process saves only, as in the
-  streaming writer.
-  """
-  return (jax.process_count() == 1 and not info.use_compression
-          and rslices.nbytes >= arrays_lib.ZSTD_ZERO_LEAVES_FROM_BYTES)
+  """Whether the leaf is stored zstd if its host copies are all zero."""
+  return not info.use_compression and arrays_lib.zstd_if_zero(rslices.nbytes)
 
 
 def _with_zstd(info):

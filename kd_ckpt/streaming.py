@@ -692,15 +692,10 @@ class _Prepared:
 
 
 def _zero_candidate(p: '_Prepared') -> bool:
-  """Whether the leaf's codec waits for its first slice (`arrays.ZSTD_ZERO_LEAVES_FROM_BYTES`).
-
-  Single-process saves only: other processes open the array from the
-  metadata they were given, which must not change after they did.
-  """
+  """Whether the leaf's codec waits for its first slice (`arrays.zstd_if_zero`)."""
   shards = len(p.rslices.replica_slices)  # one process: whole shards, no replica slicing
-  return (jax.process_count() == 1 and not _compressed(p.tspec)
-          and shards * math.prod(p.local_shape) * p.itemsize
-          >= arrays_lib.ZSTD_ZERO_LEAVES_FROM_BYTES)
+  return (not _compressed(p.tspec)
+          and arrays_lib.zstd_if_zero(shards * math.prod(p.local_shape) * p.itemsize))
 
 
 def _compressed(tspec: dict[str, Any]) -> bool:
