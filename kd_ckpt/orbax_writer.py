@@ -8,8 +8,8 @@ process writes to the host before `save()` returns, and Orbax's
 transaction, with the same zarr layout.  The additions: the CRC32C of each
 host copy, taken right after the transfer on the very buffer Orbax then
 writes (no extra pass, no copy), typed PRNG keys included; and Orbax's zstd
-codec for a leaf whose host copies are all zero (`arrays.
-ZSTD_ZERO_LEAVES_FROM_BYTES`), where the rest is raw.
+codec for a leaf whose host copies are all zero (`arrays.zstd_if_zero`),
+where the rest is raw.
 
 Example:
 
@@ -77,9 +77,6 @@ class OrbaxArrayHandler(arrays_lib.KdArrayHandler):
     # may donate them as soon as `save()` returns.
     metadatas = ([self._write_spec(a, i, g, ext).metadata for a, i, g in zip(arrays, infos, args)]
                  if reuse_job is not None else None)
-    zstd_metadatas = ({k: self._write_spec(w_arrays[k], _with_zstd(w_infos[k]), w_args[k],
-                                           ext).metadata for k in maybe_zstd}
-                      if reuse_job is not None else None)
     kvstore_spec = (reuse.kvstore_of(self._write_spec(arrays[0], infos[0], args[0], ext).json)
                     if reuse_job is not None else None)
     shardings = [a.sharding for a in arrays]
@@ -94,11 +91,9 @@ class OrbaxArrayHandler(arrays_lib.KdArrayHandler):
         zero = [k for k in maybe_zstd
                 if all(isinstance(d := rs.data(), np.ndarray) and arrays_lib.all_zero(d)
                        for rs in host[k].replica_slices)]
-        infos_as_written = list(w_infos)
-        for k in zero:
-          infos_as_written[k] = _with_zstd(w_infos[k])
-          if metadatas is not None:
-            metadatas[write_idx[k]] = zstd_metadatas[k]
+        # Only the zarr spec changes: Orbax's array metadata store records no codec.
+        infos_as_written = [_with_zstd(info) if k in zero else info
+                            for k, info in enumerate(w_infos)]
         await compat.async_replica_slice_writer(
             host, infos_as_written, w_args, primary_host=primary, metadata_key=metadata_key,
             array_metadata_store=store if reuse_job is None else None,
