@@ -26,6 +26,8 @@
 #   make bench-speed   bench/speed.py: ratios to Orbax (and dd) measured in one
 #                      run: a training loop's stall in save(), s/GB from 128 MiB
 #                      to 4 GiB, per-leaf cost at 10-10,000 leaves; ~8-10 min
+#   make bench-shapes  bench/shapes.py: save and restore x Orbax on the test
+#                      suite's untuned states (tests/states.py); ~8 min
 #   make test-orbax-peer ORBAX_SRC=DIR   Orbax's own handler test suites, with
 #                      stock Orbax and with kd_ckpt plugged in (each strategy)
 #   make test-kauldron-peer KAULDRON_SRC=DIR   Kauldron's checkpointer suite, with
@@ -53,7 +55,7 @@ DEMO_DEVICES ?= 8
 DEMO_CFG := configs/gemma_lora.py
 PLAN_ARGS ?=
 
-.PHONY: sweep-restores test test-fast test-orbax-lowest test-orbax-peer test-kauldron-peer test-peers bench-gcs demo bench bench-full calibrate bench-restore-stock bench-speed plan constraints venv clean
+.PHONY: sweep-restores test test-fast test-orbax-lowest test-orbax-peer test-kauldron-peer test-peers bench-gcs demo bench bench-full calibrate bench-restore-stock bench-speed bench-shapes plan constraints venv clean
 
 venv: $(STAMP)
 
@@ -155,6 +157,11 @@ bench-restore-stock: $(STAMP)
 # disk's speed varies up to 10x between runs).
 bench-speed: $(STAMP)
 	$(PY) bench/speed.py --out bench/results/speed.md
+
+# Save and restore against Orbax on the test suite's states (prime dims,
+# replicated, 2-D meshes, 2,000 small leaves...), ~8 min.
+bench-shapes: $(STAMP)
+	$(PY) bench/shapes.py --out bench/results/shapes.md
 
 plan: $(STAMP)
 	$(PY) -m kd_ckpt plan --cfg=$(DEMO_CFG) $(PLAN_ARGS)
