@@ -803,15 +803,12 @@ def _read_host(src: Source, glob: slicing.Box, inside: slicing.Box | None, dtype
                else hostmem.zeros_aligned(shape, dtype))
       out[tuple(slice(a.start - b.start, a.stop - b.start) for a, b in zip(sub, glob))] = data
       del data
-  if shared and (out.ctypes.data % hostmem.DEVICE_ALIGN_BYTES or not out.flags.c_contiguous):
-    # TensorStore's own buffer (one piece): the devices would copy it, one
-    # copy per device of a replicated shard, on the thread that places
-    # shards.  Copied once here, in the read's lane, it is shared by all:
-    # the mixed state's stock restore spent 1.1 of 1.6 s in those copies.
-    # The piece is the read's (charged); the aligned copy is the array's.
-    aligned = hostmem.empty_aligned(shape, dtype)
-    np.copyto(aligned, out)
-    out = aligned
+  if shared:
+    # TensorStore's own buffer (one piece) is copied here, in the read's
+    # lane, not by the devices on the thread that places shards (the mixed
+    # state's stock restore spent 1.1 of 1.6 s in those).  The piece is the
+    # read's (charged); the aligned copy is the array's.
+    out = _aligned(out, dtype)
   return out
 
 
@@ -1086,23 +1083,29 @@ def _read_whole(leaves) -> list[jax.Array]:
 
 
 def _placeable(host: np.ndarray, dtype, sharding) -> np.ndarray:
-  """`host` in `dtype`, ready for `jax.device_put` onto `sharding`.
+  """`host` in `dtype`, ready for `jax.device_put` onto `sharding`: aligned
+  (`_aligned`) where every device holds the whole leaf and keeps the buffer
+  it is given; elsewhere numpy's cast, or `host` itself."""
+  if sharding.is_fully_replicated and _shares_host_buffers(sharding.addressable_devices, dtype):
+    return _aligned(host, dtype)
+  return host if host.dtype == dtype else host.astype(dtype)
 
-  Where the devices keep the host buffer they are given (the CPU backend,
-  `_shares_host_buffers`) and every device holds the whole leaf, the buffer
-  is made aligned (cast into it, or copied once): otherwise each replica's
-  device copies TensorStore's unaligned buffer, 8 copies for a leaf
-  replicated over 8 devices.  Elsewhere, numpy's cast or `host` itself.
+
+def _aligned(host: np.ndarray, dtype) -> np.ndarray:
+  """`host` in `dtype`, in a C-order buffer aligned to `DEVICE_ALIGN_BYTES`.
+
+  On the CPU backend a device keeps such a buffer as its array; any other
+  (TensorStore's own read buffers are not aligned) each device copies, one
+  copy per replica: 8 for a leaf replicated over 8 devices.  So one copy
+  (or cast) here, where needed, and every replica shares it.
   """
   dtype = np.dtype(dtype)
-  if (sharding.is_fully_replicated
-      and _shares_host_buffers(sharding.addressable_devices, dtype)
-      and (host.ctypes.data % hostmem.DEVICE_ALIGN_BYTES or not host.flags.c_contiguous
-           or host.dtype != dtype)):
-    out = hostmem.empty_aligned(host.shape, dtype)
-    np.copyto(out, host, casting='unsafe')  # numpy's cast, as astype
-    return out
-  return host if host.dtype == dtype else host.astype(dtype)
+  if (host.dtype == dtype and host.flags.c_contiguous
+      and host.ctypes.data % hostmem.DEVICE_ALIGN_BYTES == 0):
+    return host
+  out = hostmem.empty_aligned(host.shape, dtype)
+  np.copyto(out, host, casting='unsafe')  # numpy's cast, as astype's
+  return out
 
 
 def _with_context(info, context: ts.Context):
