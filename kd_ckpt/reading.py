@@ -614,8 +614,7 @@ def _check_kept(host: np.ndarray, placed) -> None:
   charges host shards as copies.
   """
   global SHARE_HOST_BUFFERS
-  if host.ctypes.data % hostmem.DEVICE_ALIGN_BYTES or not host.flags.c_contiguous:
-    return  # one stored piece, not ours to align: a copy is expected
+  # `host` is aligned: a shared read's buffer always is (`_read_host`).
   if all(a.unsafe_buffer_pointer() == host.ctypes.data for a in placed) or not SHARE_HOST_BUFFERS:
     return
   SHARE_HOST_BUFFERS = False
@@ -1074,11 +1073,11 @@ def _read_whole(leaves) -> list[jax.Array]:
   for name, t, shape, _, _ in leaves:
     check_shape(name, shape, t.shape, True)
   reads = [t.read() for _, t, *_ in leaves]
-  hosts = []
-  for done, (_, _, _, dtype, sharding) in zip(reads, leaves):
-    hosts.append(_placeable(done.result(), dtype, _split_format(sharding)[0]))
+  shardings = [_split_format(sharding)[0] for *_, sharding in leaves]
+  hosts = [_placeable(done.result(), leaf[3], sharding)
+           for done, leaf, sharding in zip(reads, leaves, shardings)]
   del reads
-  placed = jax.device_put(hosts, [_split_format(sharding)[0] for *_, sharding in leaves])
+  placed = jax.device_put(hosts, shardings)
   return jax.block_until_ready(placed)
 
 
@@ -1094,10 +1093,10 @@ def _placeable(host: np.ndarray, dtype, sharding) -> np.ndarray:
 def _aligned(host: np.ndarray, dtype) -> np.ndarray:
   """`host` in `dtype`, in a C-order buffer aligned to `DEVICE_ALIGN_BYTES`.
 
-  On the CPU backend a device keeps such a buffer as its array; any other
-  (TensorStore's own read buffers are not aligned) each device copies, one
-  copy per replica: 8 for a leaf replicated over 8 devices.  So one copy
-  (or cast) here, where needed, and every replica shares it.
+  On the CPU backend a device keeps such a buffer as its array, but copies
+  any other (TensorStore's own read buffers are not aligned): one copy per
+  replica, 8 for a leaf replicated over 8 devices.  One copy (or cast) here,
+  where needed, is shared by every replica instead.
   """
   dtype = np.dtype(dtype)
   if (host.dtype == dtype and host.flags.c_contiguous
