@@ -156,6 +156,60 @@ def all_zero(host: np.ndarray) -> bool:
   return not any(np.count_nonzero(flat[i:i + step]) for i in range(0, flat.size, step))
 
 
+def shards_all_zero(shards: Sequence[jax.Array]) -> bool | None:
+  """Whether every byte of these single-device arrays is 0, looked at where they live.
+
+  None where that cannot be told without copying (a dtype narrower than a
+  byte, complex).  On the CPU backend the device buffer is host memory and
+  is scanned in place (`all_zero`: random data stops at its first bytes);
+  on an accelerator one reduction per shard runs on the device (compiled
+  once per shape) and a single bool comes back.  Either way nothing is
+  copied to the host: a leaf found zero is written from zero pages
+  (`streaming`), checksummed by its length (`integrity.crc32c_zeros`).
+
+  Example:
+
+    shards_all_zero([s.data for s in jnp.zeros((8, 1024)).addressable_shards])
+    # True
+  """
+  for s in shards:
+    if _bit_width(s.dtype) != 8 * np.dtype(s.dtype).itemsize:
+      return None
+    if next(iter(s.devices())).platform == 'cpu':
+      zero = all_zero(np.asarray(s))  # a view of the device buffer
+    else:
+      zero = not bool(any_bit_set(s))
+    if not zero:
+      return False
+  return True
+
+
+def _bit_width(dtype) -> int | None:
+  dtype = np.dtype(dtype)
+  if dtype == np.bool_:
+    return 8
+  if np.issubdtype(dtype, np.complexfloating):
+    return None  # no unsigned integer as wide to bitcast to
+  try:
+    return jax.numpy.iinfo(dtype).bits
+  except ValueError:
+    pass
+  try:
+    return jax.numpy.finfo(dtype).bits
+  except ValueError:
+    return None
+
+
+@jax.jit
+def any_bit_set(x: jax.Array) -> jax.Array:
+  """Whether any bit of `x` is set, on its device (-0.0 counts: its sign bit)."""
+  if x.dtype == jax.numpy.bool_:
+    return jax.numpy.any(x)
+  uint = {1: jax.numpy.uint8, 2: jax.numpy.uint16, 4: jax.numpy.uint32,
+          8: jax.numpy.uint64}[x.dtype.itemsize]
+  return jax.numpy.any(jax.lax.bitcast_convert_type(x, uint) != 0)
+
+
 # Restores through a handler that was not given a budget (e.g. Orbax's own
 # tests plugging kd_ckpt in) use this one.
 DEFAULT_BUDGET_BYTES = 256 << 20

@@ -28,6 +28,7 @@ import orbax.checkpoint as ocp
 
 from kd_ckpt import arrays as arrays_lib
 from kd_ckpt import compat
+from kd_ckpt import integrity
 from kd_ckpt import reuse
 from kd_ckpt import slicing
 
@@ -60,19 +61,23 @@ class OrbaxArrayHandler(arrays_lib.KdArrayHandler):
         min_slice_bytes_for_replica_parallel=self._options.min_slice_bytes_for_replica_parallel,
         max_replicas_for_replica_parallel=self._options.max_replicas_for_replica_parallel,
         enable_pinned_host_transfer=pinned) if w_arrays else []
+    # Leaves stored zstd (`arrays.ZSTD_ZERO_LEAVES_FROM_BYTES`): those whose
+    # host copies are all zero.  The scan stops at the first bytes of most
+    # data; on a zero leaf it stands in for the CRC pass (`crc32c_zeros`).
+    zero = {k for k, (rslices, info) in enumerate(zip(host, w_infos))
+            if _zero_candidate(rslices, info)
+            and all(isinstance(d := rs.data(), np.ndarray) and arrays_lib.all_zero(d)
+                    for rs in rslices.replica_slices)}
     sums = self.save_context.checksums
     if sums is not None:
-      for rslices, info in zip(host, w_infos):
+      for k, (rslices, info) in enumerate(zip(host, w_infos)):
         for rs in rslices.replica_slices:
-          sums.add(info.name, slicing.pairs(rs.index, rslices.global_shape), rs.data(),
-                   path=info.name, shape=rslices.global_shape, dtype=rslices.dtype)
+          d = rs.data()
+          sums.add(info.name, slicing.pairs(rs.index, rslices.global_shape), d,
+                   path=info.name, shape=rslices.global_shape, dtype=rslices.dtype,
+                   crc=integrity.crc32c_zeros(d.nbytes) if k in zero else None)
     stats = self.save_context.stats
     primary = self._options.primary_host
-    # Leaves that may be stored zstd (`arrays.ZSTD_ZERO_LEAVES_FROM_BYTES`):
-    # whether their host copies are all zero is looked at in the background
-    # write, so that save() does not wait for the scan.
-    maybe_zstd = [k for k, (rslices, info) in enumerate(zip(host, w_infos))
-                  if _zero_candidate(rslices, info)]
     # What the background write needs of the arrays, taken now: the caller
     # may donate them as soon as `save()` returns.
     metadatas = ([self._write_spec(a, i, g, ext).metadata for a, i, g in zip(arrays, infos, args)]
@@ -88,9 +93,6 @@ class OrbaxArrayHandler(arrays_lib.KdArrayHandler):
       if reuse_job is not None:
         await reuse_job(infos[0].ts_context, kvstore_spec)
       if w_arrays:
-        zero = [k for k in maybe_zstd
-                if all(isinstance(d := rs.data(), np.ndarray) and arrays_lib.all_zero(d)
-                       for rs in host[k].replica_slices)]
         # Only the zarr spec changes: Orbax's array metadata store records no codec.
         infos_as_written = [_with_zstd(info) if k in zero else info
                             for k, info in enumerate(w_infos)]

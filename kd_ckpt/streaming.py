@@ -45,6 +45,7 @@ from kd_ckpt import arrays as arrays_lib
 from kd_ckpt import compat
 from kd_ckpt import cost
 from kd_ckpt import hostmem
+from kd_ckpt import integrity
 from kd_ckpt import limiter as limiter_lib
 from kd_ckpt import reuse
 from kd_ckpt import slicing
@@ -68,14 +69,16 @@ SLAB_ALIGN_BYTES = 64
 # arenas recycle them without a mapping, and go through Orbax's transfer.
 POOL_MIN_BYTES = 64 << 10
 # A leaf that may be stored zstd (`arrays.ZSTD_ZERO_LEAVES_FROM_BYTES`) has
-# its array created when its first slice is on the host, in the group's
-# transaction, rather than in the batch before.  On leaves of noise that cost
+# its array created in the group's transaction once its shards were looked
+# at on the device (`arrays.shards_all_zero`), or, for dtypes that cannot be
+# looked at there, once its first slice is on the host, rather than in the
+# batch before.  On leaves of noise that cost
 # 0.2-0.6 ms of CPU a leaf at 1 MiB (300 x 1 MiB: 1.13 s against 0.97 s,
 # ab_save_zero_check_1mib.md) and nothing measurable at 4 MiB (100 x 4 MiB:
 # 0.95 s against 1.13 s, and 1.03 against 0.98 in another run,
-# ab_save_zero_check.md): hence the threshold.  Only the first slice is
-# looked at (a zero first slice and data after it: zstd on the rest, still
-# correct).
+# ab_save_zero_check.md): hence the threshold.  On the host only the first
+# slice is looked at (a zero first slice and data after it: zstd on the
+# rest, still correct).
 
 
 def to_host(data: jax.Array, box: slicing.Box, *, pinned: bool = False,
@@ -308,6 +311,15 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
       return
     interleaved = slicing.interleaved(p.chunk, p.local_shape, p.arr.shape)
     cpu = next(iter(p.arr.devices())).platform == 'cpu'
+    zero = None
+    if t is None:
+      # A leaf that may be stored zstd: its shards are looked at where they
+      # live, before any copy.  A zero one (an optimizer's moments before the
+      # first step) is then written from zero pages, which hold no RAM, and
+      # checksummed by its length; nothing of it comes to the host.
+      zero = arrays_lib.shards_all_zero([r.unsliced_data for r in p.rslices.replica_slices])
+      if zero is not None:
+        t = await pipeline.create(with_zstd(p.tspec) if zero else p.tspec, context)
     for rslice in p.rslices.replica_slices:
       data = rslice.unsliced_data
       base = [slice(0, n) for n in data.shape]
@@ -327,19 +339,20 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
           charge += nbytes  # the pinned staging copy, on hosts that have it
         # On CPU the slice is copied into a buffer the pipeline reuses; its
         # charge then counts the buffer's capacity, not nbytes.
-        pooled = cpu and p.arr.dtype == target_dtype and nbytes >= POOL_MIN_BYTES
+        pooled = not zero and cpu and p.arr.dtype == target_dtype and nbytes >= POOL_MIN_BYTES
         buf, charge = await pipeline.admit(charge, buffer_bytes=nbytes if pooled else None)
         # Until the slice is staged its charge is this loop's to give back:
         # a failed copy, cast, checksum or write must not shrink every later
         # save's limiter (the pipeline's abort releases only staged slices).
         staged = False
         try:
-          out = None
-          if buf is not None:
-            shape = tuple(b.stop - b.start for b in box)
-            out = buf[:nbytes].view(data.dtype).reshape(shape)
-          host = to_host(data, src_box, pinned=p.pinned, out=out)
-          del out
+          shape = tuple(b.stop - b.start for b in box)
+          if zero:
+            host = np.zeros(shape, target_dtype)  # calloc'd: untouched zero pages
+          else:
+            out = None if buf is None else buf[:nbytes].view(data.dtype).reshape(shape)
+            host = to_host(data, src_box, pinned=p.pinned, out=out)
+            del out
           if host.dtype != target_dtype:
             host = host.astype(target_dtype)
           if t is None:
@@ -348,7 +361,8 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
           dst = slicing.offset(tuple(rslice.index), box, p.arr.shape)
           if sums is not None:
             sums.add(p.name, slicing.pairs(dst, p.arr.shape), host, path=p.name,
-                     shape=p.arr.shape, dtype=target_dtype)
+                     shape=p.arr.shape, dtype=target_dtype,
+                     crc=integrity.crc32c_zeros(host.nbytes) if zero else None)
           if p.byte_limiter is None:
             pipeline.write(t, dst, host, charge, base=buf)
             staged = True

@@ -80,6 +80,17 @@ def _flip_a_byte_of_the_biggest_data_file(d: pathlib.Path) -> pathlib.Path:
   return data
 
 
+@pytest.mark.parametrize('nbytes', [0, 1, 7, 8, 9, 4096, 12345, (1 << 20) + 3, 3 << 22])
+@pytest.mark.parametrize('start', [0, 0xDEADBEEF])
+def test_crc_of_zeros_from_the_length_matches_the_bytes(nbytes, start):
+  """A leaf found all zero is checksummed from its length: the same CRC32C
+  as of the bytes, extending any earlier CRC."""
+  assert integrity.crc32c_zeros(nbytes, start) == integrity.crc32c(
+      np.zeros(nbytes, np.uint8), start)
+  with pytest.raises(ValueError, match='nbytes must be >= 0, got -1'):
+    integrity.crc32c_zeros(-1)
+
+
 @pytest.mark.parametrize('strategy', ['streaming', 'orbax'])
 def test_flipped_byte_is_found_and_named(tmp_path, strategy):
   tree = _tree()

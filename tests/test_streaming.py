@@ -227,15 +227,45 @@ def test_format_guard_orbax_chunking_matches_ours(tmp_path):
   assert np.array_equal(t.read().result(), np.asarray(tree['w']))
 
 
+@pytest.mark.parametrize('dtype', ['float32', 'bfloat16', 'int8', 'bool', 'uint16',
+                                   'float8_e4m3fn'])
+def test_shards_are_found_zero_where_they_live(dtype):
+  """`shards_all_zero` reads shards in place on CPU; `any_bit_set` is what an
+  accelerator runs (checked here on CPU devices).  A -0.0 is not zero bytes;
+  dtypes without a same-width unsigned integer are unknown (None)."""
+  from kd_ckpt import arrays
+  m1, _ = states.meshes()
+  z = jax.device_put(jax.numpy.zeros((64, 33), dtype), states.NS(m1, states.P('x')))
+  shards = [s.data for s in z.addressable_shards]
+  assert arrays.shards_all_zero(shards) is True
+  assert [bool(arrays.any_bit_set(s)) for s in shards] == [False] * 8
+  one = jax.numpy.ones((), dtype)
+  for value in ([one] if dtype in ('bool', 'int8', 'uint16') else [one, -0.0 * one]):
+    x = jax.device_put(z.at[37, 5].set(value), z.sharding)  # row 37: shard 4
+    shards = [s.data for s in x.addressable_shards]
+    assert arrays.shards_all_zero(shards) is False
+    assert [bool(arrays.any_bit_set(s)) for s in shards] == [i == 4 for i in range(8)]
+  for dt in ('int4', 'complex64'):
+    assert arrays.shards_all_zero([jax.numpy.zeros((16,), dt)]) is None
+
+
 @pytest.mark.parametrize('zarr3', [False, True])
 @pytest.mark.parametrize('strategy', ['streaming', 'orbax'])
 def test_zero_leaves_are_stored_zstd_as_orbax_stores_them(tmp_path, monkeypatch, zarr3, strategy):
   """A leaf of >= 4 MiB that is all zero gets Orbax's zstd codec; others stay
-  raw.  The streaming writer looks at a leaf's first slice only, so a leaf
-  whose zero first slice is followed by data (in later transactions) is
-  zstd too; Orbax's writer looks at the whole leaf.  Stock Orbax restores
-  every leaf bit-exact."""
+  raw, a leaf whose first 4 MiB are zero and the rest noise included: both
+  writers look at the whole leaf (the streaming writer on the device, before
+  any copy).  No slice of a zero leaf is copied from its device, and its
+  checksums (computed from its length) verify.  Stock Orbax restores every
+  leaf bit-exact."""
   from kd_ckpt import arrays
+  from kd_ckpt import streaming
+  copied = []
+  to_host = streaming.to_host
+  def counting_to_host(data, box, **kwargs):
+    copied.append((data.shape, data.dtype, float(np.asarray(data).reshape(-1)[0])))
+    return to_host(data, box, **kwargs)
+  monkeypatch.setattr(streaming, 'to_host', counting_to_host)
   from kd_ckpt import handler
   monkeypatch.setattr(handler, 'USE_ZARR3', zarr3)
   m1, _ = states.meshes()
@@ -268,7 +298,13 @@ def test_zero_leaves_are_stored_zstd_as_orbax_stores_them(tmp_path, monkeypatch,
     return json.loads(kv.read(f'{name}/.zarray'.encode()).result().value)['compressor']
 
   assert {k: bool(compressed(k)) for k in tree} == {
-      'mu': True, 'nu': True, 'small': False, 'w': False, 'head': strategy == 'streaming'}
+      'mu': True, 'nu': True, 'small': False, 'w': False, 'head': False}
+  if strategy == 'streaming':
+    # w's 8 shards (noise) and head were copied; none of mu's 8 shards (the
+    # shape of w's, but 0) nor of nu's (the one bf16 leaf).
+    assert len([c for c in copied if c[:2] == ((128, 1031), np.float32)]) == 8
+    assert [c for c in copied if c[1] == jax.numpy.bfloat16 or c == ((128, 1031), np.float32, 0)] == []
+    assert any(c[0][1] == 1031 and c[0][0] > 128 for c in copied)  # head's slices
   if not zarr3:
     assert compressed('mu') == {'id': 'zstd', 'level': 1}  # Orbax's own codec
   # mu and nu (8.3 MiB of zeros) take a few KB: the files are about the rest.
