@@ -34,7 +34,8 @@ def chunk_shape(
   writers on one chunk would race).  Greedy: while the chunk is too big,
   step the one dim whose next smaller divisor keeps the chunk largest.  A
   dim one shard spans whole is cut into chunks of even size (the array's
-  end cuts the last one, which is stored whole, padding included).
+  end cuts the last one, which is stored whole, padding included), or of
+  its divisor where one is at least 3/4 of that size (no chunk cut).
   Orbax's own chooser always splits the largest dim first, which for a dim
   with no small divisor (e.g. 1907 rows, prime) falls straight to 1: 4 KiB
   chunks, 250,000 OCDBT keys for 1 GB, 5x slower and +100 MiB of B-tree.
@@ -72,7 +73,14 @@ def chunk_shape(
       # As many chunks along the dim, evened out: the last one is stored
       # whole, so a chunk of 1030 of 1031 columns stored (and wrote) the
       # leaf twice; 2 x 516 stores one column more.
-      chunk[a] = -(-n // -(-n // chunk[a]))
+      even = -(-n // -(-n // chunk[a]))
+      # Unless a divisor of the dim is nearly as big: then no chunk is cut.
+      # TensorStore writes a cut chunk by filling a whole one and copying
+      # the slice in (0.06 s for 36 MiB here), where a whole chunk is taken
+      # as it is: 4 leaves of 2**26 zeros, 0.42 s with 9586981 (one cut
+      # chunk a leaf) against 0.17 s with 2**23.
+      divisor = _next_smaller_divisor(n, chunk[a] + 1)
+      chunk[a] = divisor if 4 * divisor >= 3 * even else even
   return tuple(chunk)
 
 

@@ -348,7 +348,7 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
         try:
           shape = tuple(b.stop - b.start for b in box)
           if zero:
-            host = np.zeros(shape, target_dtype)  # calloc'd: untouched zero pages
+            host = pipeline.zeros(shape, target_dtype)
           else:
             out = None if buf is None else buf[:nbytes].view(data.dtype).reshape(shape)
             host = to_host(data, src_box, pinned=p.pinned, out=out)
@@ -423,6 +423,20 @@ class _Pipeline:
     self.slab: np.ndarray | None = None
     self.slab_used = 0
     self.staged_bases: list[np.ndarray] = []
+    self._zeros = np.zeros(0, np.uint8)
+
+  def zeros(self, shape: tuple[int, ...], dtype) -> np.ndarray:
+    """A read-only zero array: a view of one calloc'd buffer for the whole save.
+
+    Its pages are never written, so reading them maps the kernel's zero page:
+    no RAM, and (one buffer, not one per slice) no page faults after the first
+    slice's.
+    """
+    nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+    if self._zeros.nbytes < nbytes:
+      self._zeros = np.zeros(nbytes, np.uint8)
+      self._zeros.flags.writeable = False
+    return self._zeros[:nbytes].view(dtype).reshape(shape)
 
   async def _make_room(self) -> bool:
     """Frees the cheapest bytes this save holds; False if it holds none.
