@@ -24,6 +24,16 @@ from typing import Sequence
 Box = tuple[slice, ...]
 
 
+# A shard that no divisor cuts into chunks near the slice (prime on every
+# axis another writer shares: 3547 x 4729 floats could only be chunked in
+# rows of 19 KB, 28,000 chunks where Orbax writes 8) is one chunk when it is
+# at most two slices: it is then written as one slice, charged whole, which
+# the capacity holds (`cost.streaming_layout` sizes slices so that two with
+# TensorStore's copy fit).
+TINY_CHUNK_FRACTION = 16
+WHOLE_SHARD_SLICES = 2
+
+
 def chunk_shape(
     local_shape: Sequence[int], itemsize: int, slice_bytes: int, *,
     global_shape: Sequence[int] | None = None,
@@ -35,7 +45,9 @@ def chunk_shape(
   step the one dim whose next smaller divisor keeps the chunk largest.  A
   dim one shard spans whole is cut into chunks of even size (the array's
   end cuts the last one, which is stored whole, padding included), or of
-  its divisor where one is at least 3/4 of that size (no chunk cut).
+  its divisor where one is at least 3/4 of that size (no chunk cut).  A
+  shard whose chunks would all be tiny (under 1/16 of a slice) is one chunk
+  if it is at most two slices.
   Orbax's own chooser always splits the largest dim first, which for a dim
   with no small divisor (e.g. 1907 rows, prime) falls straight to 1: 4 KiB
   chunks, 250,000 OCDBT keys for 1 GB, 5x slower and +100 MiB of B-tree.
@@ -68,6 +80,9 @@ def chunk_shape(
     if best is None:
       break
     chunk[best[1]] = best[2]
+  if (math.prod(chunk) * itemsize * TINY_CHUNK_FRACTION < slice_bytes
+      and math.prod(shape) * itemsize <= WHOLE_SHARD_SLICES * slice_bytes):
+    return shape
   for a, n in enumerate(shape):
     if whole[a] and chunk[a] < n:
       # As many chunks along the dim, evened out: the last one is stored

@@ -62,3 +62,19 @@ def test_chunk_grids_of_shapes_a_save_meets():
                              global_shape=(262_144, 2048)) == (4096, 2048)
   assert slicing.chunk_shape((4096, 1024), 4, 8 << 20) == (2048, 1024)
   assert slicing.chunk_shape((1907, 4096), 4, 8 << 20) == (1907, 1024)
+
+
+def test_a_shard_prime_on_both_axes_is_one_chunk_when_it_fits_two_slices():
+  """Its divisors make chunks of one row (19 KB: 28,000 chunks for 512 MiB,
+  a streaming save at 1.22x Orbax's time) or one column; as one chunk it is
+  written as one slice (0.64x).  Beyond two slices it stays in rows: the
+  capacity is sized for two slices (`cost.streaming_layout`).  The budget
+  holds with such chunks: tests/test_budget.py saves mesh2d_prime at 160 MiB
+  in shards of 32 MiB, one chunk each, slices of 20 MiB."""
+  shard, whole = (3547, 4729), (4 * 3547, 2 * 4729)
+  assert slicing.chunk_shape(shard, 4, 38 << 20, global_shape=whole) == shard  # 64 MiB
+  assert slicing.chunk_shape(shard, 4, 31 << 20, global_shape=whole) == (1, 4729)
+  assert slicing.chunk_shape((32191, 521), 4, 38 << 20) == (32191, 521)
+  assert slicing.chunk_shape((32191, 521), 4, 16 << 20) == (32191, 1)
+  # Chunks of a slice's 1/16 or more are kept: (640, 4729) rows of 12 MiB.
+  assert slicing.chunk_shape((1280, 4729), 4, 13 << 20) == (640, 4729)
