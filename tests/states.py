@@ -143,7 +143,9 @@ def unseen(name: str, total_bytes: int):
   if name == 'zeros':
     # A run's first checkpoint: weights beside optimizer moments still at
     # zero (stored zstd, `arrays.ZSTD_ZERO_LEAVES_FROM_BYTES`), and a leaf
-    # whose first quarter is zero and the rest noise (zstd on noise).
+    # whose first quarter is zero and the rest noise (raw: the writers look
+    # at the whole leaf; the streaming writer looked at its first slice only
+    # before 2b485df and stored it zstd).
     cols = 1031
     rows = _prime_below(max(3, total_bytes // 4 // 4 // cols // 8)) * 8
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])

@@ -69,7 +69,7 @@ def test_save_holds_the_budget_on_unseen_shapes(tmp_path, state, strategy, budge
 
 @pytest.mark.slow
 def test_zero_leaves_are_stored_compressed_inside_the_budget(tmp_path):
-  """zstd's encoder (zero leaves, and the noise after a zero first slice)
+  """zstd's encoder on zero leaves, written from zero pages without a copy,
   stays inside the budget; the checkpoint is a fraction of the state."""
   d, budget = str(tmp_path / 'c'), 64 * MiB
   r = states.run_worker('save', d, 'zeros', str(STATE_BYTES), 'streaming', str(budget))
