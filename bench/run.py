@@ -464,7 +464,10 @@ def worker_save(spec: dict[str, Any]) -> dict[str, Any]:
                  f' {measure.fmt_bytes(r.predicted_peak_bytes)}, self-measured'
                  f' {measure.fmt_bytes(r.peak_extra_bytes)}')
 
-  # Restore into the same shardings, with the saved state gone.
+  # Restore into the same shardings, with the saved state gone, from a warm
+  # page cache (kd_ckpt's local saves drop their pages, Orbax's keep them).
+  workloads.warm_page_cache(saver.path(1) if saver._mngr is None  # pylint: disable=protected-access
+                            else os.path.join(spec['workdir'], 'orbax_default', '1'))
   del state
   gc.collect()
   measure.malloc_trim()

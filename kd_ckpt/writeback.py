@@ -11,10 +11,28 @@ its commits waited on each.  A streaming save instead writes with
     and waits until the bytes it started last time are written (no device
     flush): dirty page cache stays bounded by about two commits, as with
     fsync;
-  * at the end, fsyncs every file and directory under the checkpoint, before
-    Orbax renames the temporary directory: the checkpoint is as durable as
-    before when it becomes visible, and a crash before that leaves only a
-    temporary directory, as always.
+  * drops the pages it has waited for from the page cache
+    (`posix_fadvise(POSIX_FADV_DONTNEED)`: they are clean, on the device):
+    the save cycles through a few hundred MiB of page cache instead of
+    leaving the whole checkpoint there, and the kernel writes each commit
+    into pages just freed rather than into fresh ones;
+  * at the end, fsyncs every file and directory under the checkpoint (and
+    drops the files' pages), before Orbax renames the temporary directory:
+    the checkpoint is as durable as before when it becomes visible, and a
+    crash before that leaves only a temporary directory, as always.
+
+Why drop the pages: the page cache is host memory too.  In a container it
+is charged to the job's memory cgroup, and on a host with little free RAM
+the checkpoint's pages push out the ones the job reads (its dataset) or
+send the kernel reclaiming.  And it is faster: the kernel's copy into the
+page cache (`copy_folio_from_iter_atomic`, 54% of a streaming save's CPU
+samples under `perf`) is cheaper into pages it just freed.  Gemma-like 2.2
+GB at 256 MiB, 6 alternating reps in one process (/tmp script, `perf
+record` for the profile): 2.67-3.75 s with the pages dropped, 4.55-6.28 s
+without (`dd` of the same bytes: 2.73-7.56 s); system CPU 1.2-1.5 s against
+3.3-4.6 s; page cache grew 118-179 MiB against 2.1 GB.  The cost: reading
+the checkpoint back right away reads the disk.
+`KD_CKPT_DROP_PAGE_CACHE=0` keeps the pages.
 
 Measured with `bench/ab_save.py` (Gemma-like 2.2 GB at 256 MiB, alternating
 in one process): 166 device flushes per save with fsync per commit, 58 with
@@ -43,6 +61,8 @@ _WAIT_BEFORE, _WRITE, _WAIT_AFTER = 1, 2, 4
 # start (and at the end): a save of many small leaves, with many small
 # commits, does not walk its directory after each of them.
 START_EVERY_BYTES = 64 << 20
+# KD_CKPT_DROP_PAGE_CACHE=0 keeps a save's pages in the page cache.
+DROP_PAGE_CACHE = os.environ.get('KD_CKPT_DROP_PAGE_CACHE', '1') != '0'
 
 
 def _libc_sync_file_range():
@@ -83,6 +103,7 @@ class Writeback:
     self._last: list[str] = []          # files started at the previous call
     self._pending_bytes = 0
     self.fsynced = 0
+    self.dropped = 0  # files whose pages were dropped from the page cache
 
   def committed(self, nbytes: int) -> None:
     """After a commit of nbytes: starts writeback every `START_EVERY_BYTES`."""
@@ -96,7 +117,9 @@ class Writeback:
     if _sync_file_range is None:
       return
     for path in self._last:
-      _range(path, _WAIT_BEFORE | _WRITE | _WAIT_AFTER)
+      # Written: its pages are clean and may go (`DROP_PAGE_CACHE`).
+      if _range(path, _WAIT_BEFORE | _WRITE | _WAIT_AFTER, drop=DROP_PAGE_CACHE) and DROP_PAGE_CACHE:
+        self.dropped += 1
     self._last = []
     files, _ = _walk(self.root)
     for path in files:
@@ -111,6 +134,7 @@ class Writeback:
   def finish(self) -> None:
     """fsyncs every file, then every directory (deepest first), under root."""
     files, dirs = _walk(self.root)
+    drop = set(files) if DROP_PAGE_CACHE else set()
     for path in files + sorted(dirs, key=len, reverse=True):
       try:
         fd = os.open(path, os.O_RDONLY)
@@ -118,17 +142,29 @@ class Writeback:
         continue  # another writer's lock or temporary file, gone since
       try:
         os.fsync(fd)
+        if path in drop and _drop(fd):
+          self.dropped += 1
       finally:
         os.close(fd)
       self.fsynced += 1
 
 
-def _range(path: str, flags: int) -> bool:
+def _drop(fd: int) -> bool:
+  """Drops the file's clean pages from the page cache (a hint: never loses data)."""
+  try:
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+  except (OSError, AttributeError):  # not Linux, or a filesystem without it
+    return False
+  return True
+
+
+def _range(path: str, flags: int, *, drop: bool = False) -> bool:
   try:
     fd = os.open(path, os.O_RDONLY)
   except FileNotFoundError:
     return False
   try:
-    return _sync_file_range(fd, 0, 0, flags) == 0
+    ok = _sync_file_range(fd, 0, 0, flags) == 0
+    return ok and (not drop or _drop(fd))
   finally:
     os.close(fd)

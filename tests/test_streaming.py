@@ -546,9 +546,9 @@ def test_a_local_save_fsyncs_every_file_once_before_it_is_renamed(tmp_path, monk
     fsynced.append(os.readlink(f'/proc/self/fd/{fd}'))
     return real_fsync(fd)
 
-  def sync_range(path, flags):
+  def sync_range(path, flags, **kw):
     started.append((path, flags))
-    return real_range(path, flags)
+    return real_range(path, flags, **kw)
 
   monkeypatch.setattr(os, 'fsync', fsync)
   monkeypatch.setattr(writeback, '_range', sync_range)
@@ -567,6 +567,74 @@ def test_a_local_save_fsyncs_every_file_once_before_it_is_renamed(tmp_path, monk
     assert rel in done, (rel, sorted(done)[:10])
   assert sum(1 for _, flags in started if flags == writeback._WRITE) >= 2
   assert np.asarray(kd_ckpt.restore(final)['w']).tobytes() == np.asarray(tree['w']).tobytes()
+
+
+def _resident_bytes(path) -> int:
+  """Bytes of the file at `path` in the page cache now (mincore(2))."""
+  import ctypes  # pylint: disable=g-import-not-at-top
+  import mmap  # pylint: disable=g-import-not-at-top
+  size = os.path.getsize(path)
+  if not size:
+    return 0
+  libc = ctypes.CDLL(None, use_errno=True)
+  libc.mmap.restype = ctypes.c_void_p
+  libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                        ctypes.c_int, ctypes.c_long]
+  libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+  libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+  pages = -(-size // mmap.PAGESIZE)
+  vec = (ctypes.c_ubyte * pages)()
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+    assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+    try:
+      assert libc.mincore(addr, size, vec) == 0, ctypes.get_errno()
+    finally:
+      libc.munmap(addr, size)
+  finally:
+    os.close(fd)
+  return sum(b & 1 for b in vec) * mmap.PAGESIZE
+
+
+def _on_tmpfs(path) -> bool:
+  """Whether `path` is on a tmpfs (whose pages are the files: never dropped)."""
+  best, fs = '', ''
+  with open('/proc/mounts') as f:
+    for line in f:
+      _, point, kind = line.split()[:3]
+      if str(path).startswith(point) and len(point) > len(best):
+        best, fs = point, kind
+  return fs == 'tmpfs'
+
+
+@pytest.mark.parametrize('drop', [True, False])
+def test_a_local_save_leaves_its_pages_out_of_the_page_cache(tmp_path, monkeypatch, drop):
+  """The streaming writer drops what it has written from the page cache
+  (host memory too, charged to a container's cgroup): a 64 MiB save leaves
+  under 8 MiB of its files cached; with `KD_CKPT_DROP_PAGE_CACHE=0`, all of it."""
+  from kd_ckpt import writeback  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  if _on_tmpfs(tmp_path):
+    pytest.skip(f'{tmp_path} is on a tmpfs, whose pages cannot be dropped')
+  monkeypatch.setattr(writeback, 'DROP_PAGE_CACHE', drop)
+  tree = {'w': _noise_leaf(jnp, 16 << 20), 'b': jnp.ones((3, 5), jnp.bfloat16)}
+  kd_ckpt.save(tmp_path / 'c', tree, strategy='streaming', host_ram_budget=48 << 20)
+  files = [p for p in (tmp_path / 'c').rglob('*') if p.is_file()]
+  stored = sum(p.stat().st_size for p in files)
+  cached = sum(_resident_bytes(p) for p in files)
+  assert stored >= 64 << 20, stored
+  if drop:
+    assert cached < 8 << 20, (cached, stored)
+  else:
+    assert cached >= stored - (1 << 20), (cached, stored)
+  assert np.asarray(kd_ckpt.restore(tmp_path / 'c')['w']).tobytes() == np.asarray(
+      tree['w']).tobytes()
+
+
+def _noise_leaf(jnp, n: int):
+  """n float32 values that zstd cannot shrink (so the leaf is stored raw)."""
+  return jnp.asarray(np.random.default_rng(0).standard_normal(n, np.float32))
 
 
 def test_finalize_lists_the_arrays_written_straight_into_the_root_database(tmp_path, monkeypatch):
