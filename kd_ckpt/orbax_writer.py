@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 from typing import Sequence
 
@@ -31,6 +32,8 @@ from kd_ckpt import compat
 from kd_ckpt import integrity
 from kd_ckpt import reuse
 from kd_ckpt import slicing
+from kd_ckpt import storage
+from kd_ckpt import writeback as writeback_lib
 
 
 class OrbaxArrayHandler(arrays_lib.KdArrayHandler):
@@ -96,10 +99,16 @@ class OrbaxArrayHandler(arrays_lib.KdArrayHandler):
         # Only the zarr spec changes: Orbax's array metadata store records no codec.
         infos_as_written = [_with_zstd(info) if k in zero else info
                             for k, info in enumerate(w_infos)]
-        await compat.async_replica_slice_writer(
-            host, infos_as_written, w_args, primary_host=primary, metadata_key=metadata_key,
-            array_metadata_store=store if reuse_job is None else None,
-            ext_metadata=ext)
+        # One local process: what TensorStore has fsynced leaves the page
+        # cache as it goes (`writeback.PageDropper`), as the streaming
+        # writer's pages do.
+        local = jax.process_count() == 1 and not storage.is_remote(infos[0].parent_dir)
+        with (writeback_lib.PageDropper(str(infos[0].parent_dir)) if local
+              else contextlib.nullcontext()):
+          await compat.async_replica_slice_writer(
+              host, infos_as_written, w_args, primary_host=primary, metadata_key=metadata_key,
+              array_metadata_store=store if reuse_job is None else None,
+              ext_metadata=ext)
         stats.add(sum(h.nbytes for h in host), sum(len(h.replica_slices) for h in host))
       if store is not None and reuse_job is not None:
         # Metadata of every leaf, reused ones included, as Orbax records it.

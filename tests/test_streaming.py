@@ -608,18 +608,21 @@ def _on_tmpfs(path) -> bool:
   return fs == 'tmpfs'
 
 
-@pytest.mark.parametrize('drop', [True, False])
-def test_a_local_save_leaves_its_pages_out_of_the_page_cache(tmp_path, monkeypatch, drop):
-  """The streaming writer drops what it has written from the page cache
-  (host memory too, charged to a container's cgroup): a 64 MiB save leaves
-  under 8 MiB of its files cached; with `KD_CKPT_DROP_PAGE_CACHE=0`, all of it."""
+@pytest.mark.parametrize('strategy,drop', [('streaming', True), ('streaming', False),
+                                           ('orbax', True), ('orbax', False)])
+def test_a_local_save_leaves_its_pages_out_of_the_page_cache(tmp_path, monkeypatch, strategy,
+                                                             drop):
+  """Both writers drop what they have written from the page cache (host
+  memory too, charged to a container's cgroup): a 64 MiB save leaves under 8
+  MiB of its files cached; with `KD_CKPT_DROP_PAGE_CACHE=0`, all of it."""
   from kd_ckpt import writeback  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   if _on_tmpfs(tmp_path):
     pytest.skip(f'{tmp_path} is on a tmpfs, whose pages cannot be dropped')
   monkeypatch.setattr(writeback, 'DROP_PAGE_CACHE', drop)
   tree = {'w': _noise_leaf(jnp, 16 << 20), 'b': jnp.ones((3, 5), jnp.bfloat16)}
-  kd_ckpt.save(tmp_path / 'c', tree, strategy='streaming', host_ram_budget=48 << 20)
+  kd_ckpt.save(tmp_path / 'c', tree, strategy=strategy,
+               host_ram_budget=(48 if strategy == 'streaming' else 512) << 20)
   files = [p for p in (tmp_path / 'c').rglob('*') if p.is_file()]
   stored = sum(p.stat().st_size for p in files)
   cached = sum(_resident_bytes(p) for p in files)
