@@ -2,7 +2,9 @@
 
 The disk here is noisy (dd of the same bytes: 1.1-8 s from one minute to the
 next), so variants are compared rep by rep in one process, with `dd
-conv=fsync` of the same bytes before each rep:
+conv=fsync` of the same bytes before each rep (the issue's yardstick), and
+`dd oflag=direct conv=fsync` (the disk without the page cache, which
+kd_ckpt's local saves leave as they write, `kd_ckpt.writeback`):
 
   now             the streaming writer as it is (`strategy='streaming'`)
   fsync/commit    TensorStore fsyncs every commit (`file_io_sync` on), as
@@ -133,6 +135,14 @@ def main(argv=None) -> int:
       secs, d1 = time.perf_counter() - t, _disk(root)
       rows['dd'].append((secs, 0.0, d1[2] - d0[2], d1[1] - d0[1], 0.0, os.path.getsize(f)))
       os.remove(f)
+      # The disk without the page cache: kd_ckpt's local saves drop their
+      # pages as they write (`kd_ckpt.writeback`), plain `dd` fills fresh ones.
+      d0, t = _disk(root), time.perf_counter()
+      subprocess.run(['dd', 'if=/dev/zero', f'of={f}', 'bs=4M', f'count={-(-nbytes // (4 << 20))}',
+                      'oflag=direct', 'conv=fsync'], check=True, capture_output=True)
+      secs, d1 = time.perf_counter() - t, _disk(root)
+      rows['dd direct'].append((secs, 0.0, d1[2] - d0[2], d1[1] - d0[1], 0.0, os.path.getsize(f)))
+      os.remove(f)
       order = variants if rep % 2 == 0 else variants[::-1]
       for v in order:
         kind, _, budget = v.partition('@')
@@ -170,14 +180,15 @@ def main(argv=None) -> int:
       f' --budget {args.budget} --reps {args.reps} --variants {",".join(variants)} -->',
       f'{args.state}: {nbytes / 1e9:.4f} GB, {len(jax.tree.leaves(state))} leaves,'
       f' {len(jax.devices())} devices, streaming at {args.budget}, {os.cpu_count()} cores;'
-      f' medians of {args.reps} alternating reps (each rep: dd, then the variants).',
+      f' medians of {args.reps} alternating reps (each rep: dd, dd direct, then the variants);'
+      ' x dd is against plain `dd conv=fsync`, through the page cache.',
       '',
       f'| variant | save s (each rep) | median s | x dd (throughput) | x {base} |'
       ' process CPU s | device flushes | write requests | to_host s | files MB |',
       '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |']
-  for v in ('dd',) + variants:
+  for v in ('dd', 'dd direct') + variants:
     each = ' / '.join(f'{r[0]:.2f}' for r in rows[v])
-    cpu, copy = ('-', '-') if v == 'dd' else (f'{med(v, 1):.2f}', f'{med(v, 4):.2f}')
+    cpu, copy = ('-', '-') if v.startswith('dd') else (f'{med(v, 1):.2f}', f'{med(v, 4):.2f}')
     lines.append(
         f'| {v} | {each} | {med(v, 0):.2f} | {med("dd", 0) / med(v, 0):.2f} |'
         f' {med(v, 0) / med(base, 0):.2f} | {cpu} | {med(v, 2):.0f} |'
