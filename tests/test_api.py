@@ -145,7 +145,7 @@ def test_policy_drops_pinned_then_streams():
 def test_policy_forced_strategies():
   est = _est('gpu')
   s = plan_lib.plan_from_estimate(est, budget_bytes=8 << 30, strategy='streaming')
-  assert s.strategy == 'streaming' and s.slice_bytes == cost.MAX_SLICE_BYTES
+  assert s.strategy == 'streaming' and s.slice_bytes == cost.MAX_SAVE_SLICE_BYTES
   o = plan_lib.plan_from_estimate(est, budget_bytes=8 << 30, strategy='orbax')
   assert o.strategy == 'orbax' and o.fits
 
