@@ -203,7 +203,8 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
                if jax.process_count() == 1 else infos[0].ts_context)
     lim = ctx.limiter
     progress = arrays_lib.Progress(ctx.progress_total_bytes) if ctx.progress_total_bytes else None
-    with lim.lease(ctx.capacity_bytes):
+    leaves = cost.leaves_charge(len(infos))
+    with lim.lease(cost.streaming_capacity(ctx.capacity_bytes, leaves)):
       pipeline = _Pipeline(lim, group_bytes=max(ctx.slice_bytes, ctx.group_bytes),
                            stats=ctx.stats, progress=progress,
                            rss_ceiling_bytes=ctx.rss_ceiling_bytes or (
@@ -211,7 +212,6 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
                            writeback=wb)
       # The leaves' bookkeeping (Orbax's and TensorStore's, per leaf) lives
       # for the whole save: admitted first, released last.
-      leaves = cost.leaves_charge(len(infos))
       await pipeline.admit(leaves)
       try:
         if reuse_job is not None:

@@ -659,3 +659,25 @@ def test_finalize_lists_the_arrays_written_straight_into_the_root_database(tmp_p
                       lambda d: list(stored) + [('ghost', 'jax.Array')])
   with pytest.raises(RuntimeError, match=r"1 array\(s\) are missing .*'ghost'"):
     real(tmp_path / 'streaming')
+
+
+def test_a_bigger_budget_is_headroom_not_buffers_in_flight(tmp_path, monkeypatch):
+  """At 4 GiB a streaming save leases what a 256 MiB one does (its leaves
+  and `cost.MAX_STREAMING_ROOM_BYTES`): more room only faulted in more fresh
+  buffers, and was slower."""
+  from kd_ckpt import cost, limiter as limiter_lib  # pylint: disable=g-import-not-at-top
+  leased = []
+  real_lease = limiter_lib.HostLimiter.lease
+
+  def lease(self, capacity_bytes, **kw):
+    leased.append(capacity_bytes)
+    return real_lease(self, capacity_bytes, **kw)
+
+  monkeypatch.setattr(limiter_lib.HostLimiter, 'lease', lease)
+  tree = {'w': _noise_leaf(jax.numpy, 24 << 20).reshape(6144, 4096), 'b': jax.numpy.ones(5)}
+  report = kd_ckpt.save(tmp_path / 'c', tree, strategy='streaming', host_ram_budget='4GiB')
+  room = cost.leaves_charge(2) + cost.MAX_STREAMING_ROOM_BYTES
+  assert leased and max(leased) <= room, (leased, room)
+  assert report.peak_extra_bytes < room + (32 << 20), report
+  assert np.asarray(kd_ckpt.restore(tmp_path / 'c')['w']).tobytes() == np.asarray(
+      tree['w']).tobytes()
