@@ -182,9 +182,9 @@ class PageDropper:
 
   For writers that fsync as they go (Orbax's, through TensorStore): a thread
   looks at the files every `DROP_EVERY_SECS` and drops the pages of those
-  that grew (`POSIX_FADV_DONTNEED`; still-dirty pages stay, and are dropped
-  at a later look, once TensorStore's fsync has written them).  Leaving the
-  block drops every file's pages once more.  Nothing when
+  that grew (`POSIX_FADV_DONTNEED`; pages still dirty then stay, until the
+  file grows again or the block ends).  Leaving the block drops every
+  file's pages once more.  Nothing when
   `KD_CKPT_DROP_PAGE_CACHE=0`.
 
   Example:
