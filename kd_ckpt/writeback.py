@@ -110,7 +110,6 @@ class Writeback:
     self._last: list[str] = []          # files started at the previous call
     self._pending_bytes = 0
     self.fsynced = 0
-    self.dropped = 0  # files whose pages were dropped from the page cache
 
   def committed(self, nbytes: int) -> None:
     """After a commit of nbytes: starts writeback every `START_EVERY_BYTES`."""
@@ -125,8 +124,7 @@ class Writeback:
       return
     for path in self._last:
       # Written: its pages are clean and may go (`DROP_PAGE_CACHE`).
-      if _range(path, _WAIT_BEFORE | _WRITE | _WAIT_AFTER, drop=DROP_PAGE_CACHE) and DROP_PAGE_CACHE:
-        self.dropped += 1
+      _range(path, _WAIT_BEFORE | _WRITE | _WAIT_AFTER, drop=DROP_PAGE_CACHE)
     self._last = []
     files, _ = _walk(self.root)
     for path in files:
@@ -149,8 +147,8 @@ class Writeback:
         continue  # another writer's lock or temporary file, gone since
       try:
         os.fsync(fd)
-        if path in drop and _drop(fd):
-          self.dropped += 1
+        if path in drop:
+          _drop(fd)
       finally:
         os.close(fd)
       self.fsynced += 1
@@ -197,7 +195,6 @@ class PageDropper:
     if storage.is_remote(root):
       raise ValueError(f'PageDropper is for local directories, not {root!r}.')
     self.root = root
-    self.dropped = 0  # fadvise calls made
     self._sizes: dict[str, int] = {}
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, daemon=True, name='kd_ckpt-page-dropper')
@@ -231,7 +228,6 @@ class PageDropper:
         continue  # replaced since (OCDBT's manifest, a temporary file)
       try:
         if _drop(fd):
-          self.dropped += 1
           self._sizes[path] = size
       finally:
         os.close(fd)
