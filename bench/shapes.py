@@ -14,7 +14,11 @@ Orbax" is checked where nothing was tuned:
            for both: each checkpoint read once before, `workloads.warm_page_cache`).
 
 Each cell is the median of `--reps` seconds; the ratios are kd_ckpt's
-median over Orbax's in the same process.
+median over Orbax's in the same process.  A second table gives the same
+medians in user CPU seconds (all threads), with each stock restore's minor
+faults: on this project's VMs wall time swings with first writes into memory
+the host took back (system time; bench/README.md, "Measuring"), user time
+does not.  `--raw FILE` appends every rep's numbers.
 
   .venv/bin/python bench/shapes.py --mib 512 --reps 3 --out bench/results/shapes.md
   .venv/bin/python bench/shapes.py --states mixed,replicated --reps 5
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -53,11 +58,19 @@ def _worker(name: str, total_bytes: int, budget: str, reps: int, root: str) -> d
   target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                         tree)
   secs: dict[str, list[float]] = {}
+  user: dict[str, list[float]] = {}
+  faults: dict[str, list[int]] = {}
 
   def timed(key, fn):
+    # User CPU and minor faults beside the wall time: on this project's VMs
+    # a first write into memory the host took back shows as system time
+    # (bench/README.md, "Measuring"), which user time does not see.
+    c0, f0 = os.times(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t0 = time.perf_counter()
     jax.block_until_ready(fn())
     secs.setdefault(key, []).append(time.perf_counter() - t0)
+    user.setdefault(key, []).append(os.times().user - c0.user)
+    faults.setdefault(key, []).append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
 
   def orbax_save(d):
     with ocp.StandardCheckpointer() as ck:
@@ -81,7 +94,23 @@ def _worker(name: str, total_bytes: int, budget: str, reps: int, root: str) -> d
   med = {k: statistics.median(v) for k, v in secs.items()}
   return {'state': name, 'leaves': len(jax.tree.leaves(tree)),
           'bytes': sum(x.nbytes for x in jax.tree.leaves(tree)), 'median_secs': med,
-          'secs': secs}
+          'secs': secs, 'median_user_secs': {k: statistics.median(v) for k, v in user.items()},
+          'user_secs': user, 'median_minor_faults': {k: statistics.median(v)
+                                                     for k, v in faults.items()}}
+
+
+def _cpu_row(r: dict) -> str:
+  u, f = r['median_user_secs'], r['median_minor_faults']
+  # os.times() counts in 10 ms ticks: a tiny state's Orbax restore can read 0.
+  ratio = lambda a, b: f'{u[a] / u[b]:.2f}' if u[b] else '-'
+  mib = lambda k: f[k] * 4096 / (1 << 20)
+  return (f"| {r['state']} | {u['save orbax']:.2f} "
+          f"| {ratio('save streaming', 'save orbax')} | {ratio('save auto', 'save orbax')} "
+          f"| {u['restore orbax by orbax']:.2f} "
+          f"| {ratio('restore orbax by kd', 'restore orbax by orbax')} "
+          f"| {u['restore streaming by orbax']:.2f} "
+          f"| {ratio('restore streaming by kd', 'restore streaming by orbax')} "
+          f"| {mib('restore orbax by orbax'):.0f} / {mib('restore orbax by kd'):.0f} |")
 
 
 def _row(r: dict) -> str:
@@ -103,6 +132,7 @@ def main() -> int:
   ap.add_argument('--reps', type=int, default=3)
   ap.add_argument('--dir', default=None, help='where to write (default: a temp dir)')
   ap.add_argument('--out', default='')
+  ap.add_argument('--raw', default='', help='append each state\'s per-rep numbers (JSON lines)')
   ap.add_argument('--worker', default='')
   args = ap.parse_args()
   if args.worker:
@@ -121,6 +151,14 @@ def main() -> int:
            ' | kd restores its own x |',
            '| --- | --- | --- | --- | --- | --- | --- | --- | --- |']
   print('\n'.join(lines), flush=True)
+  cpu_lines = [
+      '', 'The same reps in user CPU seconds of the whole process (all threads; x ='
+      ' kd_ckpt / Orbax), which the VM\'s first-touch faults (system time) do not'
+      ' swing, and the minor faults of a stock-checkpoint restore in MiB of 4 KiB pages:', '',
+      '| state | Orbax save user s | streaming save x | auto save x'
+      ' | Orbax restores stock user s | kd restores stock x | Orbax restores kd\'s user s'
+      ' | kd restores its own x | stock restore faults MiB, Orbax / kd |',
+      '| --- | --- | --- | --- | --- | --- | --- | --- | --- |']
   for name in args.states.split(','):
     root = tempfile.mkdtemp(prefix=f'kd_shapes_{name}_', dir=args.dir)
     try:
@@ -133,9 +171,16 @@ def main() -> int:
     if p.returncode or not found:
       line = f'| {name} | failed (exit {p.returncode}): {p.stderr.strip().splitlines()[-1:]} |'
     else:
-      line = _row(json.loads(found[0][len(RESULT):]))
+      r = json.loads(found[0][len(RESULT):])
+      line = _row(r)
+      cpu_lines.append(_cpu_row(r))
+      if args.raw:
+        with open(args.raw, 'a') as f:
+          f.write(json.dumps(r) + '\n')
     lines.append(line)
     print(line, flush=True)
+  lines += cpu_lines
+  print('\n'.join(cpu_lines), flush=True)
   if args.out:
     with open(args.out, 'a') as f:
       f.write('\n'.join(lines) + '\n\n')

@@ -668,3 +668,33 @@ def test_speed_smoke(tmp_path):
   for r in leaves:
     assert float(r['save s#2']) > 0 and float(r['restore s#6']) > 0, r
   assert out.read_text() in proc.stdout  # printed too
+
+
+@pytest.mark.slow
+def test_shapes_smoke(tmp_path):
+  """bench/shapes.py at 8 MiB, one rep (~30 s): both tables have a row per
+  state with finite ratios, the raw file every rep, nothing left behind."""
+  out, raw, work = tmp_path / 'shapes.md', tmp_path / 'raw.jsonl', tmp_path / 'work'
+  work.mkdir()
+  proc = subprocess.run(
+      [sys.executable, str(BENCH / 'shapes.py'), '--mib', '8', '--reps', '1',
+       '--states', 'sharded,zeros', '--dir', str(work), '--out', str(out), '--raw', str(raw)],
+      cwd=REPO, capture_output=True, text=True, timeout=240, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert not list(work.iterdir()), 'shapes.py left files behind'
+  text = out.read_text()
+  assert 'failed' not in text, text
+  rows = [l for l in text.splitlines() if l.startswith('| sharded ') or l.startswith('| zeros ')]
+  assert len(rows) == 4, text  # a wall-time row and a CPU row per state
+  for i, row in enumerate(rows):
+    cells = [c.strip() for c in row.strip('|').split('|')]
+    # Wall-time rows have every ratio; a CPU ratio over 0 ticks reads '-'.
+    numbers = [c for c in cells[2:8] if re.fullmatch(r'[0-9]+\.[0-9]+', c)]
+    assert len(numbers) == 6 if i < 2 else len(numbers) + cells[2:8].count('-') == 6, row
+    assert all(np.isfinite(float(x)) for x in numbers), row
+  assert text.index('| sharded ') < text.index('user CPU seconds') < text.rindex('| zeros ')
+  lines = [json.loads(l) for l in raw.read_text().splitlines()]
+  assert [r['state'] for r in lines] == ['sharded', 'zeros']
+  for r in lines:
+    assert set(r['secs']) == set(r['user_secs']) == set(r['median_minor_faults'])
+    assert all(len(v) == 1 and v[0] > 0 for v in r['secs'].values()), r['secs']
