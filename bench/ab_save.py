@@ -93,6 +93,7 @@ def main(argv=None) -> int:
   ap.add_argument('--variants', default=','.join(VARIANTS),
                   help=f'comma-separated, of {VARIANTS} (default: all)')
   args = ap.parse_args(argv)
+  thp = workloads.disable_thp()
   asked = args.variants.split(',')
   bad = [v for v in asked if v.partition('@')[0] not in VARIANTS
          or ('@' in v and v.partition('@')[0] not in ('now', 'auto'))]
@@ -181,7 +182,7 @@ def main(argv=None) -> int:
       f'{args.state}: {nbytes / 1e9:.4f} GB, {len(jax.tree.leaves(state))} leaves,'
       f' {len(jax.devices())} devices, streaming at {args.budget}, {os.cpu_count()} cores;'
       f' medians of {args.reps} alternating reps (each rep: dd, dd direct, then the variants);'
-      ' x dd is against plain `dd conv=fsync`, through the page cache.',
+      f' x dd is against plain `dd conv=fsync`, through the page cache; {thp}.',
       '',
       f'| variant | save s (each rep) | median s | x dd (throughput) | x {base} |'
       ' process CPU s | device flushes | write requests | to_host s | files MB |',

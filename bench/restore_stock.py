@@ -101,8 +101,11 @@ def main(argv=None) -> int:
   if args.worker:
     print(json.dumps(_worker(json.loads(args.worker))))
     return 0
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import workloads  # pylint: disable=g-import-not-at-top
+  thp = workloads.disable_thp()  # the workers inherit it
   lines = [f'Restore of a {args.gib:g} GiB float32 leaf saved by stock Orbax'
-           ' (`python bench/restore_stock.py`)', '',
+           f' (`python bench/restore_stock.py`); {thp}', '',
            '| layout | restored by | seconds | x Orbax | peak beyond the arrays |',
            '| --- | --- | --- | --- | --- |']
   with tempfile.TemporaryDirectory() as tmp:

@@ -139,12 +139,15 @@ def main() -> int:
     r = _worker(args.worker, args.mib << 20, args.budget, args.reps, args.dir)
     print(RESULT + json.dumps(r), flush=True)
     return 0
+  sys.path.insert(0, os.path.join(REPO, 'bench'))
+  import workloads  # pylint: disable=g-import-not-at-top
+  thp = workloads.disable_thp()  # the workers inherit it
   rev = subprocess.run(['git', '-C', REPO, 'rev-parse', '--short', 'HEAD'],
                        capture_output=True, text=True, check=False).stdout.strip()
   lines = [f'<!-- .venv/bin/python bench/shapes.py --mib {args.mib} --budget {args.budget}'
            f' --reps {args.reps} (at {rev}) -->',
            f'tests/states.py states of {args.mib} MiB, kd_ckpt at {args.budget}; medians of'
-           f' {args.reps} alternating reps, one process a state; x = kd_ckpt / Orbax.',
+           f' {args.reps} alternating reps, one process a state; x = kd_ckpt / Orbax; {thp}.',
            '',
            '| state | leaves | Orbax save s | streaming save x | auto save x'
            ' | Orbax restores stock s | kd restores stock x | Orbax restores kd\'s s'

@@ -306,6 +306,45 @@ def warm_page_cache(path: str) -> int:
   return total
 
 
+# PR_SET_THP_DISABLE (linux/prctl.h).
+_PR_SET_THP_DISABLE = 41
+
+
+def disable_thp() -> str:
+  """Turns transparent huge pages off for this process and every worker it
+  starts (the setting is inherited across fork and exec); returns a line
+  for the results' header saying what was done.
+
+  Why: on this project's VMs free memory goes back to the host in 2 MiB
+  blocks within seconds (free page reporting), and a huge page is such a
+  block, so its first touch is a host fault: ~26 ms a huge page, against
+  ~4 us a 4 KiB page.  On the CPU backend XLA asks for huge pages on the
+  buffers it allocates (`madvise(MADV_HUGEPAGE)` on each 511 MiB array of a
+  512 MiB restore), and whichever library's restore allocates them first
+  pays.  Measured 2026-12-04 (`/tmp` script, edge_chunks at 512 MiB, a
+  stock checkpoint restored alternately, 2 runs each): with huge pages
+  kd_ckpt 6.7-6.9 s then 0.74-0.75 s, Orbax 2.6-8.7 s then 3.1-3.2 s; with
+  them off kd_ckpt 0.91-0.99 s, Orbax 1.63-1.67 s.  A GPU host's arrays are
+  device memory, which this does not touch.  `KD_BENCH_THP=keep` leaves
+  huge pages as the system sets them.
+
+  Example:
+
+    print(workloads.disable_thp())   # at the start of a bench's main()
+  """
+  if os.environ.get('KD_BENCH_THP') == 'keep':
+    return 'transparent huge pages: as the system sets them (KD_BENCH_THP=keep)'
+  import ctypes  # pylint: disable=g-import-not-at-top
+  try:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_THP_DISABLE, 1, 0, 0, 0) != 0:
+      raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+  except (OSError, AttributeError) as e:
+    return f'transparent huge pages: as the system sets them (prctl failed: {e})'
+  return ('transparent huge pages: off for the bench\'s processes (prctl PR_SET_THP_DISABLE;'
+          ' KD_BENCH_THP=keep leaves them on; see bench/workloads.py disable_thp)')
+
+
 def make_work_dir(parent: str | None, prefix: str) -> str:
   """A new temporary folder for a bench's checkpoints, in `parent` (made if
   missing; None: the system's temporary folder)."""
