@@ -20,7 +20,8 @@ faults: on this project's VMs wall time swings with first writes into memory
 the host took back (system time; bench/README.md, "Measuring"), user time
 does not.  User time leaves out copies made in the kernel: TensorStore reads
 with pread (system time), kd_ckpt copies out of memory-mapped files (user
-time), so restore ratios in CPU overstate kd_ckpt's share.  `--raw FILE` appends every rep's numbers.
+time), so restore ratios in CPU overstate kd_ckpt's share.  `--raw FILE`
+appends every rep's numbers.
 
   .venv/bin/python bench/shapes.py --mib 512 --reps 3 --out bench/results/shapes.md
   .venv/bin/python bench/shapes.py --states mixed,replicated --reps 5

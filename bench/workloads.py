@@ -317,8 +317,9 @@ def disable_thp() -> str:
 
   Why: on this project's VMs free memory goes back to the host in 2 MiB
   blocks within seconds (free page reporting), and a huge page is such a
-  block, so its first touch is a host fault: ~26 ms a huge page, against
-  ~4 us a 4 KiB page.  On the CPU backend XLA asks for huge pages on the
+  block, so its first touch is a host fault: ~26 ms a huge page (a 512 MiB
+  restore spent 5.8-6.6 s in system time), against ~2 us a 4 KiB page
+  (1.5 GiB of fresh anonymous memory touched in 0.70-0.93 s).  On the CPU backend XLA asks for huge pages on the
   buffers it allocates (`madvise(MADV_HUGEPAGE)` on each 511 MiB array of a
   512 MiB restore), and whichever library's restore allocates them first
   pays.  Measured 2026-12-04 (`/tmp` script, edge_chunks at 512 MiB, a
