@@ -307,6 +307,34 @@ def test_zero_leaves_through_orbax_writer_on_gcs(server, bucket):
   assert r['peak_extra_bytes'] - r['restored_bytes'] <= 48 * MiB + TOLERANCE, r
 
 
+def _gcs_requests() -> int:
+  """Read requests TensorStore's GCS driver has sent in this process."""
+  return sum(v.get('value', 0) for m in ts.experimental_collect_matching_metrics(
+      '/tensorstore/kvstore/gcs/read') if m['name'].endswith('/gcs/read') for v in m['values'])
+
+
+@pytest.mark.parametrize('batched', [True, False])
+def test_shard_reads_from_a_bucket_go_out_in_batches(server, bucket, monkeypatch, batched):
+  """The shards of a leaf read whole go out together, which TensorStore
+  coalesces into fewer requests than one a shard; the values are the same."""
+  from kd_ckpt import reading  # pylint: disable=g-import-not-at-top
+  if not batched:  # the control: one read at a time, as before batching
+    monkeypatch.setattr(reading, '_batchable', lambda *a: False)
+  m1, _ = states.meshes()
+  tree = {'w': states.filled((8 * 1024, 1024), NS(m1, P('x')), seed=3)}  # 32 MiB, 4 MiB shards
+  path = f'{bucket}/c'
+  kd_ckpt.save(path, tree, strategy='streaming', host_ram_budget=256 * MiB)
+  before = _gcs_requests()
+  back = kd_ckpt.restore(path, _abstract(tree), host_ram_budget=256 * MiB)
+  requests = _gcs_requests() - before
+  _same(back, tree)
+  print(f'{"batched" if batched else "one at a time"}: {requests} requests for 8 shards')
+  if batched:
+    assert requests < 8, requests
+  else:
+    assert requests >= 8, requests
+
+
 @pytest.mark.slow
 def test_first_bucket_access_of_a_process_is_paid_inside_the_budget(server, bucket, monkeypatch):
   """A fresh restore or save script: gcsfs and TensorStore's transport start inside the call."""

@@ -95,3 +95,103 @@ def test_a_task_larger_than_the_capacity_is_an_error_not_a_hang():
       with readahead.ReadAhead(lim, _tasks(3, 1, 20 * MiB, [])) as ahead:
         ahead.take(0)
     assert lim.in_use_bytes == 0
+
+
+# --- tasks started into TensorStore batches (reads from a bucket) -------------
+
+
+def _started(n, charge, batches, fail_at=None):
+  """Tasks that only start: each records the batch it was issued into."""
+  def start(i, batch):
+    batches.append(batch)
+    def finish():
+      if i == fail_at:
+        raise OSError(f'bucket gone at {i}')
+      return i * 10
+    return finish
+  return [readahead.Task(0, charge, lambda: pytest.fail('started tasks are not run'),
+                         start=lambda b, i=i: start(i, b)) for i in range(n)]
+
+
+def test_tasks_that_fit_at_once_go_out_in_one_batch():
+  lim = limiter_lib.HostLimiter()
+  with lim.lease(100 * MiB):
+    batches = []
+    with readahead.ReadAhead(lim, _started(8, 10 * MiB, batches)) as ahead:
+      time.sleep(0.1)  # all eight fit: gathered before the first is taken
+      for i in range(8):
+        value, charge = ahead.take(i)
+        assert value == i * 10
+        lim.release(charge)
+    assert len(batches) == 8 and all(b is batches[0] for b in batches)
+    assert lim.in_use_bytes == 0
+
+
+def test_a_batch_is_submitted_before_its_lane_waits_for_bytes():
+  # Three tasks fit at once: a lane that kept its batch open while it waited
+  # for the fourth's bytes would wait forever (the caller waits for the
+  # first three, which only the submit ends).
+  lim = limiter_lib.HostLimiter()
+  with lim.lease(35 * MiB):
+    batches, seen = [], []
+    with readahead.ReadAhead(lim, _started(12, 10 * MiB, batches)) as ahead:
+      for i in range(12):
+        time.sleep(0.01)
+        seen.append(lim.in_use_bytes)
+        _, charge = ahead.take(i)
+        lim.release(charge)
+    assert max(seen) <= 35 * MiB
+    sizes = [sum(1 for b in batches if b is x) for x in {id(b): b for b in batches}.values()]
+    assert max(sizes) <= 3 and sum(sizes) == 12, sizes
+    assert lim.in_use_bytes == 0
+
+
+def test_started_and_run_tasks_mix_in_one_lane():
+  lim = limiter_lib.HostLimiter()
+  with lim.lease(100 * MiB):
+    batches = []
+    tasks = _started(6, MiB, batches)
+    tasks[3] = readahead.Task(0, MiB, lambda: 30)  # run alone, between batches
+    with readahead.ReadAhead(lim, tasks) as ahead:
+      got = []
+      for i in range(6):
+        value, charge = ahead.take(i)
+        got.append(value)
+        lim.release(charge)
+    assert got == [0, 10, 20, 30, 40, 50]
+    assert batches[0] is batches[2] and batches[3] is not batches[0]
+    assert lim.in_use_bytes == 0
+
+
+def test_a_failed_batched_read_fails_the_read_and_releases_everything():
+  lim = limiter_lib.HostLimiter()
+  with lim.lease(100 * MiB):
+    with pytest.raises(OSError, match='bucket gone at 2'):
+      with readahead.ReadAhead(lim, _started(6, 10 * MiB, [], fail_at=2)) as ahead:
+        for i in range(6):
+          _, charge = ahead.take(i)
+          lim.release(charge)
+    assert lim.in_use_bytes == 0
+
+
+def test_batched_tensorstore_reads_are_submitted_and_read_back():
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+  t = ts.open({'driver': 'zarr', 'kvstore': 'memory://'}, create=True, dtype=ts.float32,
+              shape=[8, 4], chunk_layout=ts.ChunkLayout(read_chunk_shape=[1, 4])).result()
+  values = np.arange(32, dtype=np.float32).reshape(8, 4)
+  t.write(values).result()
+  tasks = []
+  for i in range(8):
+    def start(batch, i=i):
+      future = t[i].read(batch=batch)  # waits for the batch's submit
+      return lambda: future.result()
+    tasks.append(readahead.Task(0, MiB, lambda: pytest.fail('not run'), start=start))
+  lim = limiter_lib.HostLimiter()
+  with lim.lease(4 * MiB):
+    with readahead.ReadAhead(lim, tasks) as ahead:
+      for i in range(8):
+        row, charge = ahead.take(i)
+        np.testing.assert_array_equal(row, values[i])
+        lim.release(charge)
+    assert lim.in_use_bytes == 0
