@@ -1,8 +1,8 @@
 """Bench part on object storage: the Gemma-like state saved to and restored from gs://.
 
 A real GCS server (fake-gcs-server, tests/gcs_server.py) on 127.0.0.1; each
-row in a fresh process that has listed its bucket first (as a training loop
-has).  Rows: Orbax default (`StandardCheckpointer`, async save + wait),
+save, and each restore, in a fresh process that has listed its bucket
+first (as a training loop, or a resumed one, has).  Rows: Orbax default (`StandardCheckpointer`, async save + wait),
 kd_ckpt `auto` and `streaming` at the budget.  Peaks are VmHWM over the call
 minus RSS before it; seconds are given as ratios to Orbax's in the same run.
 
@@ -33,22 +33,25 @@ import orbax.checkpoint as ocp
 import kd_ckpt
 from kd_ckpt import hostmem, startup
 import workloads
-variant, path, budget = sys.argv[1], sys.argv[2], int(sys.argv[3])
-state = workloads.build_gemma_gb(jax, int(sys.argv[5]))
+op, variant, path, budget = sys.argv[6], sys.argv[1], sys.argv[2], int(sys.argv[3])
 startup.start_storage(path)
-hostmem.release_free_memory()
-with hostmem.PeakRss() as peak:
-  t = time.monotonic()
-  if variant == 'orbax':
-    with ocp.StandardCheckpointer() as c:
-      c.save(path, state)
-      c.wait_until_finished()
-  else:
-    kd_ckpt.save(path, state, strategy=variant, host_ram_budget=budget)
-  save_secs = time.monotonic() - t
-abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
-del state
+if op == 'save':
+  state = workloads.build_gemma_gb(jax, int(sys.argv[5]))
+  nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+  hostmem.release_free_memory()
+  with hostmem.PeakRss() as peak:
+    t = time.monotonic()
+    if variant == 'orbax':
+      with ocp.StandardCheckpointer() as c:
+        c.save(path, state)
+        c.wait_until_finished()
+    else:
+      kd_ckpt.save(path, state, strategy=variant, host_ram_budget=budget)
+    secs = time.monotonic() - t
+  print(json.dumps(dict(save_peak=peak.extra_bytes, save_secs=secs, nbytes=nbytes)))
+  sys.exit(0)
+# A fresh process, as a resumed run is: nothing of the state allocated.
+abstract = workloads.abstract_gemma_gb(jax, int(sys.argv[5]))
 hostmem.release_free_memory()
 with hostmem.PeakRss() as rpeak:
   t = time.monotonic()
@@ -57,12 +60,10 @@ with hostmem.PeakRss() as rpeak:
   else:
     back = kd_ckpt.restore(path, abstract, host_ram_budget=budget)
   jax.block_until_ready(back)
-  restore_secs = time.monotonic() - t
+  secs = time.monotonic() - t
 resident = sum({s.data.unsafe_buffer_pointer(): s.data.nbytes
                 for x in jax.tree.leaves(back) for s in x.addressable_shards}.values())
-print(json.dumps(dict(save_peak=peak.extra_bytes, save_secs=save_secs,
-                      restore_beyond=rpeak.extra_bytes - resident,
-                      restore_secs=restore_secs, nbytes=nbytes)))
+print(json.dumps(dict(restore_beyond=rpeak.extra_bytes - resident, restore_secs=secs)))
 '''
 
 
@@ -73,6 +74,8 @@ def main() -> int:
   ap.add_argument('--out', default=None, help='markdown file for the table')
   args = ap.parse_args()
   from tests import gcs_server  # pylint: disable=g-import-not-at-top
+  import workloads  # pylint: disable=g-import-not-at-top
+  thp = workloads.disable_thp()  # the workers inherit it
   budget = args.budget_mib * MiB
   with tempfile.TemporaryDirectory(prefix='kd_ckpt_gcs_bench_') as tmp:
     with gcs_server.GcsServer(os.path.join(tmp, 'data')) as srv:
@@ -82,18 +85,20 @@ def main() -> int:
       rows = {}
       for variant in ('orbax', 'auto', 'streaming'):
         path = f'gs://bench/{variant}-{time.time_ns()}'
-        proc = subprocess.run(
-            [sys.executable, '-c', WORKER, variant, path, str(budget), REPO,
-             str(args.state_bytes)], env=env, capture_output=True, text=True, timeout=1800)
-        if proc.returncode != 0:
-          print(proc.stderr[-3000:], file=sys.stderr)
-          return 1
-        rows[variant] = json.loads(proc.stdout.strip().splitlines()[-1])
+        rows[variant] = {}
+        for op in ('save', 'restore'):
+          proc = subprocess.run(
+              [sys.executable, '-c', WORKER, variant, path, str(budget), REPO,
+               str(args.state_bytes), op], env=env, capture_output=True, text=True, timeout=1800)
+          if proc.returncode != 0:
+            print(proc.stderr[-3000:], file=sys.stderr)
+            return 1
+          rows[variant].update(json.loads(proc.stdout.strip().splitlines()[-1]))
         print(variant, rows[variant], flush=True)
   o = rows['orbax']
   lines = [
       f'State: Gemma-like, {o["nbytes"] / 1e9:.2f} GB over 8 CPU devices; budget'
-      f' {args.budget_mib} MiB; fake-gcs-server on 127.0.0.1; `bench/gcs.py`.', '',
+      f' {args.budget_mib} MiB; fake-gcs-server on 127.0.0.1; `bench/gcs.py`; {thp}.', '',
       '| variant | save peak | save peak / budget | save s / Orbax | restore beyond arrays'
       ' | restore peak / budget | restore s / Orbax |',
       '| --- | --- | --- | --- | --- | --- | --- |']

@@ -179,6 +179,30 @@ def build_gemma_gb(jax, total_bytes: int, layers: int = GEMMA_GB_LAYERS):
   return jax.block_until_ready(state)
 
 
+def abstract_gemma_gb(jax, total_bytes: int, layers: int = GEMMA_GB_LAYERS):
+  """`build_gemma_gb`'s shapes, dtypes and shardings, with nothing allocated:
+  the target of a restore in a fresh process (a resumed run)."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+
+  devices = jax.devices()
+  mesh = jax.sharding.Mesh(np.array(devices), ('d',))
+  n = len(devices)
+  shapes = gemma_shapes(total_bytes, layers, n)
+
+  def make(dtype):
+    def one(shape):
+      spec = shard_spec(shape, n, 1 * MiB, jnp.dtype(dtype).itemsize)
+      return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P(*spec)))
+    return jax.tree.map(one, shapes, is_leaf=lambda x: isinstance(x, tuple))
+
+  scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, P()))
+  return {'params': make(jnp.bfloat16),
+          'opt_state': {'count': scalar, 'mu': make(jnp.float32), 'nu': make(jnp.float32)},
+          'step': scalar}
+
+
 def build_leaves(jax, num_leaves: int, leaf_bytes: int, zeros: bool = False):
   """`num_leaves` f32 leaves of `leaf_bytes` (hashed values, or zeros) on one device."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
