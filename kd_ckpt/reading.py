@@ -840,11 +840,9 @@ def _task(lane: int, charge: int, src: Source, glob, inside, dtype, reserve, *,
   with `batch_reads`, started into a batch (`_start_host`).
 
   A batched read also holds its stored bytes: TensorStore coalesces the
-  batch's reads of one file into one request, whose response lives until
-  the last of them is decoded (a 192 MiB leaf of small chunks restored at
-  128 MiB from the GCS emulator peaked 195 MiB beyond its arrays with the
-  read's usual charge).  A read for which that would be more than the room
-  is run alone.
+  batch's reads of one file into one request, whose response may live
+  until the last of them is decoded.  A read for which that would be more
+  than the room is run alone.
   """
   run = functools.partial(_read_host, src, glob, inside, dtype, reserve, shared=shared)
   if batch_reads and inside is not None and not _split_read(src, inside, dtype, shared):
@@ -1335,7 +1333,7 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
         await asyncio.gather(*batches)
         batches = []
       filled, *_ = await asyncio.gather(
-          asyncio.to_thread(fill_all, leaves) if rest else _nothing(), *batches)
+          asyncio.to_thread(fill_all, leaves) if rest else asyncio.sleep(0, []), *batches)
       del leaves
   for i, arr in zip(rest, filled):
     out[i] = arr
@@ -1347,10 +1345,6 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
     if metadatas:
       out = compat.orbax.wrap_random_key_data(metadatas, infos, out)
   return out
-
-
-async def _nothing() -> list:
-  return []
 
 
 async def read_numpy(handler, infos, args, ctx: ReadContext) -> list[np.ndarray]:
