@@ -26,7 +26,10 @@ bucket).  Restoring the Gemma-like state from the GCS emulator, batches of
 time made 8.  A lane that would have to wait (for bytes, or for another
 lane's turn) submits what it has gathered first: the bytes it waits for
 are freed only as the caller takes tasks, and the caller waits for the
-gathered ones.
+gathered ones.  A submitted batch is finished (its reads waited for, its
+results handed over) on a thread of its own (`_Finisher`), so the lane
+starts the next reads as soon as their bytes are free, while earlier ones
+are still in flight.
 
 Example:
 
@@ -41,6 +44,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import queue
 import threading
 from typing import Any, Callable, Sequence
 
@@ -95,15 +99,22 @@ class ReadAhead:
     self.close()
 
   def _lane(self, ids: list[int]) -> None:
+    finisher = _Finisher(self)
+    try:
+      self._start_or_run(ids, finisher)
+    finally:
+      finisher.close()  # every submitted read delivered, or its bytes back
+
+  def _start_or_run(self, ids: list[int], finisher: '_Finisher') -> None:
     gathered: list[tuple[int, Callable[[], Any]]] = []  # started, not submitted
     batch = None
     for i in ids:
       task = self._tasks[i]
       if gathered and (task.start is None or not self._my_turn(i)
                        or not self._fits(task.charge_bytes)):
-        # About to wait, or to run a task alone: what was gathered goes first.
-        if not self._finish(batch, gathered):
-          return
+        # About to wait, or to run a task alone: what was gathered goes
+        # first, and is finished meanwhile by the finisher.
+        finisher.submit(batch, gathered)
         gathered, batch = [], None
         acquired = False
       else:
@@ -125,7 +136,7 @@ class ReadAhead:
         self._cond.notify_all()
         if self._stop:  # closed while this one waited: nobody will take it
           self._lim.release(task.charge_bytes)
-          self._finish(batch, gathered)
+          finisher.submit(batch, gathered)
           return
       if task.start is not None:
         if batch is None:
@@ -135,7 +146,7 @@ class ReadAhead:
         except BaseException as e:  # pylint: disable=broad-exception-caught
           self._lim.release(task.charge_bytes)
           self._fail(i, e)
-          self._finish(batch, gathered)
+          finisher.submit(batch, gathered)
           return
         continue
       try:
@@ -146,7 +157,7 @@ class ReadAhead:
         return
       if not self._deliver(i, result):
         return
-    self._finish(batch, gathered)
+    finisher.submit(batch, gathered)
 
   def _fits(self, nbytes: int) -> bool:
     """Acquires `nbytes` if they fit now (a request too large waits, and fails, alone)."""
@@ -159,10 +170,9 @@ class ReadAhead:
     with self._cond:
       return self._turn == i
 
-  def _finish(self, batch, gathered) -> bool:
-    """Submits `batch` and delivers its tasks' results; False if stopped."""
-    if batch is not None:
-      batch.submit()
+  def _finish(self, gathered) -> bool:
+    """Delivers the results of `gathered` (started, their batch submitted);
+    False if stopped."""
     ok = True
     for i, finish in gathered:
       if not ok:
@@ -225,3 +235,42 @@ class ReadAhead:
       self._done.clear()
     for th in self._threads:
       th.join()
+
+
+class _Finisher:
+  """A lane's batches, submitted, finished in order on a thread of their own.
+
+  The lane goes on starting the next tasks as bytes free up: from a bucket,
+  reads stay in flight while earlier ones are decoded and placed, not one
+  batch at a time.  Restoring the Gemma-like state (1.1 GB) through a
+  proxy that gave each request 20 ms and each connection 200 MB/s, the
+  lane's reads had been one connection's most of the time: 9.8-10.5 s,
+  against Orbax's 4.2-6.7 s.
+  """
+
+  def __init__(self, ahead: ReadAhead):
+    self._ahead = ahead
+    self._queue: queue.SimpleQueue = queue.SimpleQueue()
+    self._thread = None
+
+  def submit(self, batch, gathered) -> None:
+    """Submits `batch`; its tasks (`gathered`) are finished on the thread."""
+    if batch is not None:
+      batch.submit()
+    if not gathered:
+      return
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._run, daemon=True,
+                                      name=threading.current_thread().name + '-finish')
+      self._thread.start()
+    self._queue.put(gathered)
+
+  def _run(self) -> None:
+    while (gathered := self._queue.get()) is not None:
+      self._ahead._finish(gathered)  # pylint: disable=protected-access
+
+  def close(self) -> None:
+    """Waits until every submitted task is delivered or its bytes released."""
+    if self._thread is not None:
+      self._queue.put(None)
+      self._thread.join()

@@ -335,6 +335,76 @@ def test_shard_reads_from_a_bucket_go_out_in_batches(server, bucket, monkeypatch
     assert requests >= 8, requests
 
 
+@pytest.mark.parametrize('side_by_side', [True, False])
+def test_leaves_from_a_bucket_are_filled_side_by_side(server, bucket, monkeypatch, side_by_side):
+  """From a bucket, leaves read by whole shards are filled several at a time
+  (their reads in flight together), inside the budget, with the same values;
+  a leaf read by chunkread (decoders held for the leaf) is filled alone."""
+  from kd_ckpt import reading  # pylint: disable=g-import-not-at-top
+  if not side_by_side:  # the control: one leaf at a time, as before
+    monkeypatch.setattr(reading, '_side_by_side', lambda *a: False)
+  m1, _ = states.meshes()
+  tree = {f'w{i}': states.filled((2 * 1024, 1024 + 8 * i), NS(m1, P('x')), seed=i)
+          for i in range(6)}  # 8 MiB each, 1 MiB shards
+  path = f'{bucket}/c'
+  kd_ckpt.save(path, tree, strategy='streaming', host_ram_budget=256 * MiB)
+  lock, now, most = __import__('threading').Lock(), [0], [0]
+  fill = reading.fill_array
+
+  def counted(*args, **kwargs):
+    with lock:
+      now[0] += 1
+      most[0] = max(most[0], now[0])
+    try:
+      time.sleep(0.05)  # the emulator answers in microseconds: let them meet
+      return fill(*args, **kwargs)
+    finally:
+      with lock:
+        now[0] -= 1
+
+  monkeypatch.setattr(reading, 'fill_array', counted)
+  back = kd_ckpt.restore(path, _abstract(tree), host_ram_budget=128 * MiB)
+  _same(back, tree)
+  if side_by_side:
+    assert 1 < most[0] <= reading.LEAVES_IN_FLIGHT, most
+  else:
+    assert most[0] == 1, most
+
+
+def test_side_by_side_takes_only_leaves_that_hold_nothing_between_reads():
+  """`_side_by_side` admits a leaf only if its reads hold nothing between
+  tasks and are all batched: not one stored in chunks bigger than a piece
+  (chunkread keeps its decoders for the leaf), nor one read under Orbax's
+  byte limiter, nor one whose shards do not fit half the room (filled in
+  place), nor one whose shards are read in several boxes."""
+  from kd_ckpt import reading  # pylint: disable=g-import-not-at-top
+  m1, _ = states.meshes()
+  shape, f32 = (2048, 1024), np.dtype('float32')  # 8 MiB, 1 MiB shards on 8 devices
+
+  def stored(chunks):
+    return ts.open({'driver': 'zarr', 'kvstore': {'driver': 'memory'}, 'create': True,
+                    'metadata': {'shape': list(shape), 'chunks': chunks, 'dtype': '<f4'}}).result()
+
+  def ctx(piece, capacity=128 * MiB):
+    return reading.ReadContext(limiter=None, capacity_bytes=capacity, piece_bytes=piece)
+
+  sharded, replicated = NS(m1, P('x')), NS(m1, P())
+  by_shard = stored([256, 1024])
+  assert reading._side_by_side(by_shard, ctx(4 * MiB), shape, f32, sharded, None)
+  # Chunks of 8 MiB over 4 MiB pieces: read by chunkread.
+  assert not reading._side_by_side(stored(list(shape)), ctx(4 * MiB), shape, f32, sharded, None)
+  # Orbax's byte limiter takes each read in turn.
+  assert not reading._side_by_side(by_shard, ctx(4 * MiB), shape, f32, sharded,
+                                   reserve=lambda n: None)
+  # Shard reads of 3 MiB (read, piece) over half of a 4 MiB room: filled
+  # otherwise (a piece at a time).
+  assert not reading._side_by_side(by_shard, ctx(4 * MiB, 4 * MiB), shape, f32, sharded, None)
+  # A replicated 8 MiB shard the devices share, over 4 MiB pieces: read in
+  # several boxes, not batched (reads run alone held more than charged).
+  assert not reading._side_by_side(by_shard, ctx(4 * MiB), shape, f32, replicated, None)
+  assert reading._side_by_side(by_shard, ctx(16 * MiB), shape, f32, replicated, None)
+
+
 @pytest.mark.slow
 def test_first_bucket_access_of_a_process_is_paid_inside_the_budget(server, bucket, monkeypatch):
   """A fresh restore or save script: gcsfs and TensorStore's transport start inside the call."""

@@ -146,6 +146,41 @@ def test_a_batch_is_submitted_before_its_lane_waits_for_bytes():
     assert lim.in_use_bytes == 0
 
 
+def test_a_lane_starts_more_reads_while_earlier_ones_are_in_flight():
+  # Two tasks fit at once.  Task 1's read is slow (a bucket): once task 0
+  # is taken, the lane must start task 2 while task 1 is still in flight,
+  # not wait for task 1 before it asks for task 2's bytes.
+  lim = limiter_lib.HostLimiter()
+  slow, started = threading.Event(), threading.Event()
+
+  def start(i, batch):
+    del batch
+    if i == 2:
+      started.set()
+    def finish():
+      if i == 1:
+        assert slow.wait(10), 'task 1 was never let finish'
+      return i
+    return finish
+
+  tasks = [readahead.Task(0, 10 * MiB, lambda: pytest.fail('started tasks are not run'),
+                          start=lambda b, i=i: start(i, b)) for i in range(4)]
+  with lim.lease(25 * MiB):
+    with readahead.ReadAhead(lim, tasks) as ahead:
+      value, charge = ahead.take(0)
+      lim.release(charge)
+      in_flight = started.wait(5)  # task 1 still unfinished
+      slow.set()
+      got = [value]
+      for i in range(1, 4):
+        value, charge = ahead.take(i)
+        got.append(value)
+        lim.release(charge)
+    assert in_flight, 'task 2 started only after task 1 had finished'
+    assert got == [0, 1, 2, 3]
+    assert lim.in_use_bytes == 0
+
+
 def test_started_and_run_tasks_mix_in_one_lane():
   lim = limiter_lib.HostLimiter()
   with lim.lease(100 * MiB):
