@@ -170,7 +170,7 @@ class ReadAhead:
     with self._cond:
       return self._turn == i
 
-  def _finish(self, gathered) -> bool:
+  def finish_batch(self, gathered) -> bool:
     """Delivers the results of `gathered` (started, their batch submitted);
     False if stopped."""
     ok = True
@@ -267,7 +267,7 @@ class _Finisher:
 
   def _run(self) -> None:
     while (gathered := self._queue.get()) is not None:
-      self._ahead._finish(gathered)  # pylint: disable=protected-access
+      self._ahead.finish_batch(gathered)
 
   def close(self) -> None:
     """Waits until every submitted task is delivered or its bytes released."""

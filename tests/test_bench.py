@@ -698,3 +698,47 @@ def test_shapes_smoke(tmp_path):
   for r in lines:
     assert set(r['secs']) == set(r['user_secs']) == set(r['median_minor_faults'])
     assert all(len(v) == 1 and v[0] > 0 for v in r['secs'].values()), r['secs']
+
+
+def test_slow_link_delays_each_request_and_caps_each_connection():
+  """bench/slow_link.py: a request waits the latency, a response flows at
+  the rate, the bytes arrive unchanged, and requests are counted."""
+  import http.server  # pylint: disable=g-import-not-at-top
+  import threading  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  import urllib.request  # pylint: disable=g-import-not-at-top
+  import slow_link  # pylint: disable=g-import-not-at-top
+  body = os.urandom(400_000)
+
+  class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = 'HTTP/1.1'
+
+    def do_GET(self):  # pylint: disable=invalid-name
+      self.send_response(200)
+      self.send_header('Content-Length', str(len(body)))
+      self.end_headers()
+      self.wfile.write(body)
+
+    def log_message(self, *args):
+      pass
+
+  server = http.server.ThreadingHTTPServer(('127.0.0.1', 0), Handler)
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  try:
+    def get(port):
+      t = time.monotonic()
+      with urllib.request.urlopen(f'http://127.0.0.1:{port}/x', timeout=30) as r:
+        got = r.read()
+      return got, time.monotonic() - t
+
+    _, bare_secs = get(server.server_address[1])
+    with slow_link.SlowLink(server.server_address[1], latency_secs=0.2,
+                            rate_bytes_per_sec=1e6) as link:
+      got, secs = get(link.port)
+      assert got == body
+      # 0.2 s before the server sees the request, then 400 KB at 1 MB/s.
+      assert secs >= 0.2 + 0.4 * 0.9, (secs, bare_secs)
+      assert link.requests == 1 and link.connections == 1, (link.requests, link.connections)
+      assert link.down_bytes > len(body)
+  finally:
+    server.shutdown()
