@@ -227,6 +227,8 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
         # A failed write (e.g. disk full) must not leave others running: they
         # would re-create the temporary directory after the caller removed it.
         await pipeline.abort()
+        if wb is not None:
+          await asyncio.to_thread(wb.close)
         raise
       finally:
         lim.release(leaves)
@@ -498,6 +500,12 @@ class _Pipeline:
         fresh = slab_bytes if small else buffer_bytes
       if self.lim.try_acquire(rest + fresh):
         break
+      if fresh:
+        # Rather than free a pooled buffer to make room for a fresh one (whose
+        # pages the copy then faults in), take a bigger one already held.
+        taken = self.pool.take(fresh, any_bigger=True)
+        if taken is not None:
+          continue
       if await self._make_room():
         continue
       if taken is not None:
@@ -589,9 +597,9 @@ class _Pipeline:
     # Committed: the buffers nothing else holds keep their bytes, in the pool.
     self.lim.release(charge - self.pool.put_free(bases))
     if self.writeback is not None:
-      # Written to the page cache only: start its writeback, and wait for
-      # the previous start's, so dirty memory stays about two commits (or
-      # 2 x `writeback.START_EVERY_BYTES`).
+      # Written to the page cache only: the writeback thread starts its
+      # writeback (waiting here only when it is `writeback.DEPTH` starts
+      # behind, which bounds the dirty page cache).
       await asyncio.to_thread(self.writeback.committed, nbytes)
     self.stats.add(nbytes, nslices)
     self.retired += 1
@@ -662,10 +670,14 @@ class _BufferPool:
     self.held_bytes = 0
     self.reused = 0
 
-  def take(self, nbytes: int, *, exact: bool = False) -> np.ndarray | None:
+  def take(self, nbytes: int, *, exact: bool = False, any_bigger: bool = False
+           ) -> np.ndarray | None:
+    """The smallest free buffer that fits: of `nbytes` exactly (`exact`), of
+    1 to 2 times `nbytes`, or (`any_bigger`) of any size from `nbytes` up."""
     best = None
+    top = nbytes if exact else None if any_bigger else 2 * nbytes
     for i, b in enumerate(self.free):
-      if (b.nbytes == nbytes if exact else nbytes <= b.nbytes <= 2 * nbytes) and (
+      if nbytes <= b.nbytes and (top is None or b.nbytes <= top) and (
           best is None or b.nbytes < self.free[best].nbytes):
         best = i
     if best is None:

@@ -681,3 +681,27 @@ def test_a_bigger_budget_is_headroom_not_buffers_in_flight(tmp_path, monkeypatch
   assert report.peak_extra_bytes < room + (32 << 20), report
   assert np.asarray(kd_ckpt.restore(tmp_path / 'c')['w']).tobytes() == np.asarray(
       tree['w']).tobytes()
+
+
+def test_a_full_limiter_reuses_a_bigger_pooled_buffer_rather_than_allocate(monkeypatch):
+  """When a fresh buffer does not fit, the pipeline takes a bigger one it
+  already holds (whose pages are in) rather than free it and fault in a
+  fresh one; and it is charged for all of it."""
+  import asyncio  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import arrays as arrays_lib  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import limiter as limiter_lib  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import streaming  # pylint: disable=g-import-not-at-top
+  mib = 1 << 20
+  lim = limiter_lib.HostLimiter()
+  with lim.lease(40 * mib):
+    pipe = streaming._Pipeline(lim, group_bytes=16 * mib, stats=arrays_lib.SaveStats())
+    assert lim.try_acquire(30 * mib)
+    # Pages in (written once); the list holds the only reference.
+    assert pipe.pool.put_free([np.ones(30 * mib, np.uint8)]) == 30 * mib
+    # 10 MiB fresh would not fit beside the pool's 30 (40 MiB in all), and
+    # 30 is more than twice 10: before, the pool's buffer was freed for it.
+    buf, held = asyncio.run(pipe.admit(10 * mib + 123, buffer_bytes=10 * mib))
+    assert buf.nbytes == 30 * mib and buf[0] == 1
+    assert held == 123 + 30 * mib
+    assert lim.in_use_bytes == held
+    lim.release(held)
