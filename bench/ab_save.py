@@ -14,6 +14,10 @@ kd_ckpt's local saves leave as they write, `kd_ckpt.writeback`):
   all-raw         every leaf raw, its array created before its data (as
                   before zero leaves were stored zstd,
                   `arrays.ZSTD_ZERO_LEAVES_FROM_BYTES`)
+  prev            the writer at 81c6ce7: writeback waited for on the save's
+                  own thread, and slabs of a group's eighth only (a buffer
+                  of its own for each bigger slice); the bigger-buffer take
+                  of c2af8e8 stays
   auto            `kd_ckpt.save(strategy='auto')` at the same budget
   kd-orbax        `kd_ckpt.save(strategy='orbax')`: Orbax's writer with the
                   settings auto picks where Orbax's worst case fits
@@ -22,9 +26,11 @@ kd_ckpt's local saves leave as they write, `kd_ckpt.writeback`):
 A kd_ckpt variant may name its own budget, `now@1GiB` or `auto@1GiB`
 (otherwise `--budget`): does a larger budget save faster?
 
-Besides seconds: the process's CPU seconds (user + system), the device's
-cache flushes and write requests (/proc/diskstats), and the seconds spent in
-the device-to-host copies (`streaming.to_host`).  The "before" variants are
+Besides seconds: the process's CPU seconds (user + system), the pages it
+faulted in (minor faults, in MiB of 4 KiB pages: on these VMs a first touch
+is slow, "Measuring" in bench/README.md), the device's cache flushes and
+write requests (/proc/diskstats), and the seconds spent in the
+device-to-host copies (`streaming.to_host`).  The "before" variants are
 made by patching the writer from here; the product has no switch for them.
 
   .venv/bin/python bench/ab_save.py --state gemma_gb --reps 3 --out bench/results/ab_save.md
@@ -38,6 +44,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -49,7 +56,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, 'bench'))
 
 import workloads  # pylint: disable=g-import-not-at-top,wrong-import-position
-VARIANTS = ('now', 'fsync/commit', 'before', 'all-raw', 'auto', 'kd-orbax', 'orbax')
+VARIANTS = ('now', 'prev', 'fsync/commit', 'before', 'all-raw', 'auto', 'kd-orbax', 'orbax')
 
 
 def _disk(root: str):
@@ -75,6 +82,25 @@ def _patch(variant: str, streaming):
     threshold = arrays.ZSTD_ZERO_LEAVES_FROM_BYTES
     arrays.ZSTD_ZERO_LEAVES_FROM_BYTES = float('inf')
     undo.append(lambda: setattr(arrays, 'ZSTD_ZERO_LEAVES_FROM_BYTES', threshold))
+  if variant == 'prev':
+    wb_lib = streaming.writeback_lib
+
+    class InlineWriteback(wb_lib.Writeback):
+      def committed(self, nbytes):  # the waits on the caller's thread
+        self._pending_bytes += nbytes
+        if self._pending_bytes >= wb_lib.START_EVERY_BYTES:
+          self._pending_bytes = 0
+          self.started()
+
+    streaming.writeback_lib = types.SimpleNamespace(Writeback=InlineWriteback)
+    undo.append(lambda: setattr(streaming, 'writeback_lib', wb_lib))
+    init = streaming._Pipeline.__init__  # pylint: disable=protected-access
+
+    def small_slabs(self, *a, **k):
+      k['largest_slice_bytes'] = 0
+      init(self, *a, **k)
+    streaming._Pipeline.__init__ = small_slabs  # pylint: disable=protected-access
+    undo.append(lambda: setattr(streaming._Pipeline, '__init__', init))  # pylint: disable=protected-access
   if variant == 'before':
     admit = streaming._Pipeline.admit  # pylint: disable=protected-access
 
@@ -134,7 +160,7 @@ def main(argv=None) -> int:
       subprocess.run(['dd', 'if=/dev/zero', f'of={f}', 'bs=1M', f'count={-(-nbytes // (1 << 20))}',
                       'conv=fsync'], check=True, capture_output=True)
       secs, d1 = time.perf_counter() - t, _disk(root)
-      rows['dd'].append((secs, 0.0, d1[2] - d0[2], d1[1] - d0[1], 0.0, os.path.getsize(f)))
+      rows['dd'].append((secs, 0.0, d1[2] - d0[2], d1[1] - d0[1], 0.0, os.path.getsize(f), 0))
       os.remove(f)
       # The disk without the page cache: kd_ckpt's local saves drop their
       # pages as they write (`kd_ckpt.writeback`), plain `dd` fills fresh ones.
@@ -142,7 +168,8 @@ def main(argv=None) -> int:
       subprocess.run(['dd', 'if=/dev/zero', f'of={f}', 'bs=4M', f'count={-(-nbytes // (4 << 20))}',
                       'oflag=direct', 'conv=fsync'], check=True, capture_output=True)
       secs, d1 = time.perf_counter() - t, _disk(root)
-      rows['dd direct'].append((secs, 0.0, d1[2] - d0[2], d1[1] - d0[1], 0.0, os.path.getsize(f)))
+      rows['dd direct'].append((secs, 0.0, d1[2] - d0[2], d1[1] - d0[1], 0.0, os.path.getsize(f),
+                                0))
       os.remove(f)
       order = variants if rep % 2 == 0 else variants[::-1]
       for v in order:
@@ -150,6 +177,7 @@ def main(argv=None) -> int:
         undo = _patch(kind, streaming)
         path = os.path.join(root, f'c{rep}_{v.replace("/", "_").replace("@", "_")}')
         copy_secs.clear()
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         c0, d0, t = os.times(), _disk(root), time.perf_counter()
         try:
           if kind == 'orbax':
@@ -164,8 +192,9 @@ def main(argv=None) -> int:
           undo()
         secs, c1, d1 = time.perf_counter() - t, os.times(), _disk(root)
         cpu = (c1.user - c0.user) + (c1.system - c0.system)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
         rows[v].append((secs, cpu, d1[2] - d0[2], d1[1] - d0[1], copy_secs['s'],
-                        _tree_bytes(path)))
+                        _tree_bytes(path), faults * 4096))
         print(f'rep {rep} {v}: {secs:.2f} s, dd {rows["dd"][-1][0]:.2f} s', flush=True)
         shutil.rmtree(path)
   finally:
@@ -184,16 +213,18 @@ def main(argv=None) -> int:
       f' medians of {args.reps} alternating reps (each rep: dd, dd direct, then the variants);'
       f' x dd is against plain `dd conv=fsync`, through the page cache; {thp}.',
       '',
-      f'| variant | save s (each rep) | median s | x dd (throughput) | x {base} |'
-      ' process CPU s | device flushes | write requests | to_host s | files MB |',
-      '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |']
+      f'| variant | save s (each rep) | median s | x dd (throughput) | x dd direct |'
+      f' x {base} | process CPU s | faulted in MiB | device flushes | write requests |'
+      ' to_host s | files MB |',
+      '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |']
   for v in ('dd', 'dd direct') + variants:
     each = ' / '.join(f'{r[0]:.2f}' for r in rows[v])
-    cpu, copy = ('-', '-') if v.startswith('dd') else (f'{med(v, 1):.2f}', f'{med(v, 4):.2f}')
+    cpu, faults, copy = ('-', '-', '-') if v.startswith('dd') else (
+        f'{med(v, 1):.2f}', f'{med(v, 6) / (1 << 20):.0f}', f'{med(v, 4):.2f}')
     lines.append(
         f'| {v} | {each} | {med(v, 0):.2f} | {med("dd", 0) / med(v, 0):.2f} |'
-        f' {med(v, 0) / med(base, 0):.2f} | {cpu} | {med(v, 2):.0f} |'
-        f' {med(v, 3):.0f} | {copy} | {med(v, 5) / 1e6:.2f} |')
+        f' {med("dd direct", 0) / med(v, 0):.2f} | {med(v, 0) / med(base, 0):.2f} | {cpu} |'
+        f' {faults} | {med(v, 2):.0f} | {med(v, 3):.0f} | {copy} | {med(v, 5) / 1e6:.2f} |')
   text = '\n'.join(lines) + '\n'
   print(text)
   if args.out:

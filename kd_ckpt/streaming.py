@@ -63,11 +63,11 @@ TRIM_EVERY_COMMITS = 8
 # buffers, 0.4 s into reused ones, on this 2-core machine).  Slices share
 # slabs of `SLABS_PER_GROUP`-th of a group or of the save's biggest slice,
 # whichever is bigger, so that every slab fits every slice and a slab is
-# never freed for a slice of another size (Gemma-like 2.2 GB at 256 MiB:
-# 151 MiB of pages faulted in by the copies of a save, against 740 MiB with
-# a buffer per slice above group/8; the copies took 0.52 s against 0.77 s;
-# /work/tmp_pl/tl.py, 2026-12-04).  A bigger slice (none, unless the
-# largest was underestimated) gets a buffer of its own.
+# never freed for a slice of another size (Gemma-like 2.2 GB at 256 MiB,
+# `bench/ab_save.py --variants now,prev`: 151 MiB of pages faulted in by a
+# save, against 459 MiB with a buffer per slice above group/8; the copies
+# took 0.60 s against 0.69 s).  A bigger slice (none, unless the largest
+# was underestimated) gets a buffer of its own.
 SLABS_PER_GROUP = 8
 SLAB_ALIGN_BYTES = 64
 # Smaller slices (a norm's scale, a step counter) are left to malloc, whose

@@ -43,10 +43,10 @@ from a thread that looks at the checkpoint's files every `DROP_EVERY_SECS`.
 Measured with `bench/ab_save.py` (Gemma-like 2.2 GB at 256 MiB, alternating
 in one process): 166 device flushes per save with fsync per commit, 58 with
 this; 10.29 s against 8.92 s (median of 3).  The waits in a thread of their
-own, against the save's own thread (2026-12-04, /work/tmp_pl/abv.py, streaming at
-256 MiB, alternating in one process): Gemma-like 2.2 GB 2.18 s against 2.66 s
-(median of 5), one 4 GB leaf 2.60 s against 3.73 s (median of 3).  Two
-commits in flight instead of one gained nothing on top (2.32 s and 2.82 s).
+own, with the slabs of `streaming` (`bench/ab_save.py --variants now,prev,auto,orbax`,
+`prev` being the writer before both, bench/results/ab_save.md): Gemma-like 2.2 GB
+2.22 s against 2.32 s (median of 5), one 4 GB leaf 3.19 s against 3.90 s
+(median of 3).  Two commits in flight instead of one gained nothing on top.
 
 Example:
 
