@@ -84,6 +84,12 @@ class SlowLink:
         self.busy[len(self._active)] += 1
 
   async def _handle(self, client_r, client_w) -> None:
+    try:
+      await self._serve(client_r, client_w)
+    except asyncio.CancelledError:
+      client_w.close()  # the link is closing (`close`): not an error to log
+
+  async def _serve(self, client_r, client_w) -> None:
     self.connections += 1
     try:
       server_r, server_w = await asyncio.open_connection('127.0.0.1', self.target_port)
