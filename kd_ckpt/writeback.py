@@ -11,7 +11,7 @@ its commits waited on each.  A streaming save instead writes with
     and waits until the bytes it started last time are written (no device
     flush).  A thread of its own does both, so the save copies its next
     slices while the disk catches up; the save waits only when `DEPTH`
-    starts are queued behind the thread, so dirty page cache stays under
+    starts are queued behind the thread, so dirty page cache stays about
     `(DEPTH + 2) x START_EVERY_BYTES` (256 MiB);
   * drops the pages it has waited for from the page cache
     (`posix_fadvise(POSIX_FADV_DONTNEED)`: they are clean, on the device):
