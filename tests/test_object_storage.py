@@ -655,3 +655,39 @@ def test_safe_checkpointer_through_kauldron_main_on_gcs(server, bucket, tmp_path
     params = c.restore(ckpts / 'ckpt_6' / 'default')['params']
   assert jax.tree.leaves(params)
   assert kd_ckpt.verify(ckpts / 'ckpt_6' / 'default').ok
+
+
+def test_a_restore_asks_once_whether_the_sharding_file_exists(server, bucket, monkeypatch):
+  """Orbax's reader asks at every call, and a restore calls it once per batch
+  of small leaves; from a bucket each ask is two requests (a round trip
+  each, over a real link).  The answer is kept for the restore."""
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  m1, _ = states.meshes()
+  tree = {f's{i:02d}': states.filled((64, 256 + 8 * i), NS(m1, P('x')), seed=i)
+          for i in range(40)}
+  path = f'{bucket}/c'
+  kd_ckpt.save(path, tree, strategy='streaming', host_ram_budget=256 * MiB)
+  cls = type(epath.Path(path))
+  real = cls.exists
+  asked = []
+
+  def exists(self, *args, **kwargs):
+    if os.fspath(self).endswith('/_sharding'):
+      asked.append(os.fspath(self))
+    return real(self, *args, **kwargs)
+
+  monkeypatch.setattr(cls, 'exists', exists)
+  stock = []
+  from kd_ckpt import reading  # pylint: disable=g-import-not-at-top
+  batches = reading._stock_batches
+
+  def counted(charges, room):
+    out = batches(charges, room)
+    stock.append(len(out))
+    return out
+
+  monkeypatch.setattr(reading, '_stock_batches', counted)
+  back = kd_ckpt.restore(path, _abstract(tree), host_ram_budget=32 * MiB)
+  _same(back, tree)
+  assert stock and stock[0] > 1, stock  # several calls of Orbax's reader
+  assert asked == [f'{path}/_sharding'], asked
