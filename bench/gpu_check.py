@@ -194,7 +194,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
   measure.malloc_trim()
   row['retained_after_trim_bytes'] = measure.rss_bytes() - p.before_bytes
 
-  if spec.get('restore', True):
+  row['restore_skipped'] = not spec.get('restore', True)
+  if not row['restore_skipped']:
     del state
     gc.collect()
     measure.malloc_trim()
