@@ -10,9 +10,11 @@ restores it in fresh processes: with stock Orbax, and with
 `kd_ckpt.restore` at each budget.  Each row: seconds, the ratio to Orbax's
 restore of the same checkpoint in the same run, and the peak RSS beyond the
 restored arrays (each device buffer counted once).  Every restore is checked
-bit-exact against the saved values.
+bit-exact against the saved values.  A third layout splits the same bytes
+into `--leaves` leaves on one device (0: skipped): each is one chunk, decoded
+by one stream, so a restore that reads leaf after leaf uses one core.
 
-  --gib 1 --budgets 64MiB,128MiB,256MiB --out FILE.md
+  --gib 1 --budgets 64MiB,128MiB,256MiB --leaves 24 --out FILE.md
 """
 
 from __future__ import annotations
@@ -28,6 +30,15 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
 LAYOUTS = {'1 device': None, '8 devices': 'x'}
+
+
+def _tree(value, leaves: int) -> dict:
+  """The saved tree: `value` whole, or split by rows into `leaves` leaves."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  if leaves <= 1:
+    return {'w': value}
+  return {f'l{i:02d}': np.ascontiguousarray(part)
+          for i, part in enumerate(np.array_split(value, leaves))}
 
 
 def _value(gib: float):
@@ -56,14 +67,15 @@ def _worker(spec: dict) -> dict:
   import kd_ckpt  # pylint: disable=g-import-not-at-top
   from kd_ckpt import hostmem, startup  # pylint: disable=g-import-not-at-top
 
-  value = _value(spec['gib'])
+  values = _tree(_value(spec['gib']), spec.get('leaves', 1))
   sharding = _sharding(spec['axis'])
   if spec['mode'] == 'save':
     ckptr = ocp.StandardCheckpointer()
-    ckptr.save(spec['dir'], {'w': jax.device_put(value, sharding)})
+    ckptr.save(spec['dir'], {k: jax.device_put(v, sharding) for k, v in values.items()})
     ckptr.wait_until_finished()
     return {}
-  target = {'w': jax.ShapeDtypeStruct(value.shape, value.dtype, sharding=sharding)}
+  target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
+            for k, v in values.items()}
   startup.start_compiler()  # as in a training process, which has compiled
   hostmem.release_free_memory()
   with hostmem.PeakRss() as peak:
@@ -75,8 +87,8 @@ def _worker(spec: dict) -> dict:
     jax.block_until_ready(back)
     seconds = time.perf_counter() - start
   buffers = {s.data.unsafe_buffer_pointer(): s.data.nbytes
-             for s in back['w'].addressable_shards}
-  if not np.array_equal(np.asarray(back['w']), value):
+             for x in back.values() for s in x.addressable_shards}
+  if any(not np.array_equal(np.asarray(back[k]), v) for k, v in values.items()):
     raise SystemExit('restored values differ from the saved ones')
   return {'seconds': seconds, 'beyond_bytes': peak.extra_bytes - sum(buffers.values())}
 
@@ -95,6 +107,8 @@ def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
   p.add_argument('--gib', type=float, default=1.0)
   p.add_argument('--budgets', default='64MiB,128MiB,256MiB')
+  p.add_argument('--leaves', type=int, default=24,
+                 help='a third layout: this many leaves on one device (0: none)')
   p.add_argument('--out', default='')
   p.add_argument('--worker', default='')
   args = p.parse_args(argv)
@@ -104,14 +118,18 @@ def main(argv=None) -> int:
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import workloads  # pylint: disable=g-import-not-at-top
   thp = workloads.disable_thp()  # the workers inherit it
-  lines = [f'Restore of a {args.gib:g} GiB float32 leaf saved by stock Orbax'
-           f' (`python bench/restore_stock.py`); {thp}', '',
+  lines = [f'Restore of {args.gib:g} GiB of float32 saved by stock Orbax'
+           f' (`python bench/restore_stock.py --gib {args.gib:g} --budgets {args.budgets}'
+           f' --leaves {args.leaves}`); {thp}', '',
            '| layout | restored by | seconds | x Orbax | peak beyond the arrays |',
            '| --- | --- | --- | --- | --- |']
   with tempfile.TemporaryDirectory() as tmp:
-    for layout, axis in LAYOUTS.items():
-      d = os.path.join(tmp, axis or 'one', 'c')
-      base = dict(gib=args.gib, axis=axis, dir=d)
+    layouts = [(name, axis, 1) for name, axis in LAYOUTS.items()]
+    if args.leaves > 1:
+      layouts.append((f'1 device, {args.leaves} leaves', None, args.leaves))
+    for layout, axis, leaves in layouts:
+      d = os.path.join(tmp, f'{axis or "one"}_{leaves}', 'c')
+      base = dict(gib=args.gib, axis=axis, dir=d, leaves=leaves)
       _run(dict(base, mode='save'))
       orbax = None
       for budget in [None] + args.budgets.split(','):

@@ -230,6 +230,32 @@ class HostLimiter:
     finally:
       self.release(nbytes)
 
+  @contextlib.contextmanager
+  def carve(self, nbytes: int, *, wait: bool = True) -> Iterator['HostLimiter | None']:
+    """A limiter of its own over `nbytes`, which this one holds meanwhile.
+
+    Readers that run side by side, each in a carved part, wait only for
+    bytes of their own part: none can wait on bytes another holds until it
+    ends (a reader keeps a leaf's decoders until the leaf is read), so no
+    two of them deadlock, and together they admit no more than this one.
+    `wait=False`: None (nothing carved) unless the bytes fit now.
+
+      with lim.carve(lim.capacity_bytes // 2) as part:
+        with part.hold_sync(piece_bytes):
+          ...
+    """
+    if wait:
+      self.acquire(nbytes)
+    elif not self.try_acquire(nbytes):
+      yield None
+      return
+    try:
+      part = HostLimiter()
+      part._leases.append(int(nbytes))  # pylint: disable=protected-access
+      yield part
+    finally:
+      self.release(nbytes)
+
 
 def _resolve(fut: asyncio.Future) -> None:
   if not fut.done():

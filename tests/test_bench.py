@@ -558,12 +558,13 @@ def test_restore_stock_smoke(tmp_path):
   out = tmp_path / 'r.md'
   proc = subprocess.run(
       [sys.executable, str(BENCH / 'restore_stock.py'), '--gib', '0.0625',
-       '--budgets', '48MiB', '--out', str(out)],
+       '--budgets', '48MiB', '--leaves', '3', '--out', str(out)],
       capture_output=True, text=True, timeout=900, check=False)
   assert proc.returncode == 0, proc.stderr[-3000:]
   rows = [l for l in out.read_text().splitlines() if l.startswith('| 1 device') or
           l.startswith('| 8 devices')]
-  assert [r.split('|')[2].strip() for r in rows] == ['Orbax', 'kd_ckpt @48MiB'] * 2
+  assert [r.split('|')[2].strip() for r in rows] == ['Orbax', 'kd_ckpt @48MiB'] * 3
+  assert [r.split('|')[1].strip() for r in rows][-1] == '1 device, 3 leaves'
   beyond = [float(r.split('|')[5].split()[0]) for r in rows if 'kd_ckpt' in r]
   assert all(b <= 48 + 8 for b in beyond), rows  # the budget, + the tests' tolerance
 

@@ -161,6 +161,24 @@ def test_parallel_reads_of_stock_shards_hold_the_budget(saved, state, budget, de
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize('state,saved_by,budget,devices', [
+    ('mixed_dtypes', 'stock', 256 * MiB, 'copying'), ('mixed_dtypes', 'stock', 512 * MiB, 'cpu'),
+    ('zeros', 'stock', 256 * MiB, 'cpu'), ('zeros', 'streaming', 384 * MiB, 'copying'),
+    ('prime_rep', 'stock', 512 * MiB, 'copying')])
+def test_leaves_read_side_by_side_hold_the_budget(saved, state, saved_by, budget, devices):
+  """From a local disk, leaves bigger than a piece are read several at once,
+  each in its own part of the budget (`reading._fill_in_parts`, from about
+  200 MiB): together they stay inside it."""
+  d = saved(state, saved_by)
+  r = states.run_worker('restore', d, state, str(STATE_BYTES), str(budget),
+                        env=states.COPYING_DEVICES if devices == 'copying' else None)
+  beyond = r['peak_extra_bytes'] - r['restored_bytes']
+  print(f'restore {state} ({saved_by}, {devices}) at {budget / MiB:.0f} MiB:'
+        f' {beyond / MiB:.1f} MiB beyond {r["restored_bytes"] / MiB:.0f} MiB restored')
+  assert beyond <= budget + TOLERANCE, r
+
+
+@pytest.mark.slow
 def test_safe_checkpointer_restore_holds_the_budget(tmp_path):
   """Kauldron's resume and eval path reads inside the budget too."""
   budget = 48 * MiB
