@@ -72,3 +72,20 @@ def test_releases_keep_a_slow_wait_alive(monkeypatch):
     lim.acquire(60)  # waits ~1.5 s in all, never 0.6 s without a release
     t.join()
     lim.release(60)
+
+
+def test_a_carved_part_is_held_by_its_parent_and_bounds_only_its_own_bytes():
+  lim = limiter_lib.HostLimiter()
+  with lim.lease(100):
+    with lim.carve(60) as part:
+      assert lim.in_use_bytes == 60 and part.capacity_bytes == 60
+      with lim.carve(60, wait=False) as none:
+        assert none is None and lim.in_use_bytes == 60  # does not fit now: nothing carved
+      with lim.carve(40, wait=False) as other:
+        assert other is not None and lim.in_use_bytes == 100
+        part.acquire(60)  # a part's bytes are its own: no wait on `other`
+        with pytest.raises(limiter_lib.RequestTooLargeError):
+          other.acquire(41)
+        part.release(60)
+      assert lim.in_use_bytes == 60
+    assert lim.in_use_bytes == 0
