@@ -148,14 +148,19 @@ def _stored_chunk(t: ts.TensorStore) -> tuple[int, ...]:
   return tuple(int(n) for n in (grid if grid is not None else t.shape))
 
 
-# From a local disk, zstd chunks of at least this size are decoded by
-# `chunkread` even where TensorStore could decode them whole: straight into
-# the destination, one stream per leaf.  A stock checkpoint of 24 leaves of
-# 25-50 MB (1 GB, normal values), 1 CPU device, 2 cores, leaves read in two
-# parts (4 alternating reps in one process, a scratch script): 0.72-0.76 s
-# against 1.13-1.16 s through TensorStore, at 1 and 4 GiB, where a bigger
-# budget had been slower than 256 MiB (1.15 s, chunkread).  Raw chunks
-# (kd_ckpt's own) stay with TensorStore: 0.44 s against 0.52 s.
+# From a local disk, a leaf stored as one zstd chunk of at least this size
+# is decoded by `chunkread` even where TensorStore could decode it whole:
+# straight into the destination, one stream per leaf.  Leaves of several
+# chunks (sharded ones) stay with TensorStore, which reads their shards in
+# batches: through chunkread the `sharded` and `mesh2d` states' stock
+# restores (16 leaves of 8 chunks of 4 MiB) took 1.24-1.39x Orbax's time,
+# against 0.83-1.03x (`bench/shapes.py --states sharded,mesh2d`).  A stock
+# checkpoint of 24 leaves of 25-50 MB (1 GB, normal values), 1 CPU device,
+# 2 cores, leaves read in two parts (4 alternating reps in one process, a
+# scratch script): 0.72-0.76 s against 1.13-1.16 s through TensorStore, at
+# 1 and 4 GiB, where a bigger budget had been slower than 256 MiB (1.15 s,
+# chunkread).  Raw chunks (kd_ckpt's own) stay with TensorStore: 0.44 s
+# against 0.52 s.
 STREAM_ZSTD_FROM_BYTES = 4 << 20
 
 
@@ -174,8 +179,9 @@ def _zstd_chunks(t: ts.TensorStore) -> bool:
 class Source:
   """One stored array, read in pieces through TensorStore or `chunkread`.
 
-  `stream_zstd`: zstd chunks of at least `STREAM_ZSTD_FROM_BYTES` are read by
-  chunkread too (local disks: from a bucket its windows are round trips).
+  `stream_zstd`: a leaf of one zstd chunk of at least `STREAM_ZSTD_FROM_BYTES`
+  is read by chunkread too (local disks: from a bucket its windows are round
+  trips).
   """
 
   def __init__(self, name: str, t: ts.TensorStore, kv: ts.KvStore, ctx: ReadContext,
@@ -191,8 +197,8 @@ class Source:
     # A chunk bigger than a piece is never decoded whole.
     self.stored = None
     self.cursors, self.held_bytes = 1, 0
-    if (stream_zstd and STREAM_ZSTD_FROM_BYTES <= self.chunk_bytes <= ctx.piece_bytes
-        and _zstd_chunks(t)):
+    if (stream_zstd and self.chunk == self.shape
+        and STREAM_ZSTD_FROM_BYTES <= self.chunk_bytes <= ctx.piece_bytes and _zstd_chunks(t)):
       try:
         self.stored = chunkread.StoredArray.open(kv, name)
         self.read_bytes = self._read_bytes(1)

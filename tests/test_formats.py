@@ -432,6 +432,38 @@ def test_leaves_of_one_shard_are_read_side_by_side_in_parts_of_the_budget(
   assert len(carved) == 3 and sum(n for n, _ in carved) <= carved[0][1], carved
 
 
+def test_a_leaf_of_one_zstd_chunk_is_decoded_into_place_and_a_sharded_one_by_tensorstore(
+    tmp_path, monkeypatch):
+  """From a local disk a leaf stored as one zstd chunk is decoded by chunkread
+  even where TensorStore could decode it whole (`STREAM_ZSTD_FROM_BYTES`); a
+  leaf of several chunks is read by TensorStore.  Both bit-exact."""
+  from kd_ckpt import chunkread, reading  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(reading, 'MAX_LEAF_PARTS', 2)
+  startup.start_compiler()
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  sharded = NamedSharding(Mesh(np.array(jax.devices()), ('x',)), P('x'))
+  rng = np.random.default_rng(7)
+  values = {'one': rng.standard_normal((2003, 5003)).astype(np.float32),  # 40 MB, one chunk
+            'sharded': rng.standard_normal((8 * 1259, 5003)).astype(np.float32)}
+  shardings = {'one': one, 'sharded': sharded}
+  with ocp.StandardCheckpointer() as c:
+    c.save(tmp_path / 'c', {k: jax.device_put(v, shardings[k]) for k, v in values.items()})
+  opened = []
+  real_open = chunkread.StoredArray.open
+
+  def watched_open(kv, name, *a, **k):
+    opened.append(name)
+    return real_open(kv, name, *a, **k)
+
+  monkeypatch.setattr(chunkread.StoredArray, 'open', staticmethod(watched_open))
+  target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k])
+            for k, v in values.items()}
+  back = kd_ckpt.restore(tmp_path / 'c', target, host_ram_budget='1GiB')
+  for k, v in values.items():
+    assert np.asarray(back[k]).tobytes() == v.tobytes(), k
+  assert opened == ['one'], opened
+
+
 def test_a_device_that_copies_a_host_shard_it_was_to_keep_stops_sharing(
     tmp_path, monkeypatch, caplog):
   """If the CPU backend copies an aligned host shard after all (the probe was
