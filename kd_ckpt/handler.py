@@ -304,7 +304,7 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
           lambda a: dataclasses.replace(a, strict=False) if hasattr(a, 'strict') else a,
           restore_args)
     with read.limiter.lease(capacity, mmap_threshold_bytes=hostmem.read_mmap_threshold(
-        remote=storage.is_remote(directory))):
+        remote=storage.is_remote(directory), capacity_bytes=capacity)):
       out = impl.restore(directory, args=ocp.args.PyTreeRestore(
           item=args.item, restore_args=restore_args))
     hostmem.release_free_memory()

@@ -479,20 +479,35 @@ _RESTING_MMAP_THRESHOLD_BYTES = 32 << 20
 # 128 KiB, 1.95 s at 16 MiB, 0.71 s at 32 MiB).  The restore trims every
 # arena as it goes (`release_free_memory`).
 _TRIM_THRESHOLD_BYTES = {READ_MMAP_THRESHOLD_BYTES: 32 << 20}
+# Buffers under the mmap threshold, freed, stay in the arena of the thread
+# that freed them until the next trim, outside the limiter: with several
+# reader threads, each arena's.  At small budgets that was over the budget:
+# the zeros state (256 MiB, 8 MiB shards, tests/states.py) restored at 96
+# MiB on devices that copy peaked 54-121 MiB beyond the restored arrays
+# (tests/test_budget.py).  So a read's threshold is at most this share of
+# its capacity (from 8 MiB at 128 MiB of capacity down to 1 MiB), and its
+# trim threshold (2x) with it.
+READ_HEAP_SHARE = 16
 _mmap_scopes: collections.Counter = collections.Counter()  # threshold -> open scopes
 _mmap_current: int | None = None
 _mmap_lock = threading.Lock()
 
 
-def read_mmap_threshold(*, remote: bool) -> int:
+def read_mmap_threshold(*, remote: bool, capacity_bytes: int | None = None) -> int:
   """glibc's mmap threshold for a read (`mmap_large_buffers`).
 
-  `READ_MMAP_THRESHOLD_BYTES` from local disks.  From a bucket, 1 MiB as for
+  `READ_MMAP_THRESHOLD_BYTES` from local disks, and at most a
+  `READ_HEAP_SHARE`th of the read's capacity.  From a bucket, 1 MiB as for
   saves: the HTTP clients' response buffers, freed in many threads' arenas,
   were kept there at 8 MiB (150 MiB beyond the restored arrays for a 128
   MiB budget, tests/test_object_storage.py).
   """
-  return _OPERATION_MMAP_THRESHOLD_BYTES if remote else READ_MMAP_THRESHOLD_BYTES
+  if remote:
+    return _OPERATION_MMAP_THRESHOLD_BYTES
+  if capacity_bytes is None:
+    return READ_MMAP_THRESHOLD_BYTES
+  return min(READ_MMAP_THRESHOLD_BYTES,
+             max(_OPERATION_MMAP_THRESHOLD_BYTES, int(capacity_bytes) // READ_HEAP_SHARE))
 
 
 def _user_tuned_malloc() -> bool:

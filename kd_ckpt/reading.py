@@ -762,10 +762,14 @@ LEAVES_IN_FLIGHT = 4
 # reads beyond the cores only contend.
 MAX_READ_LANES = max(1, min(os.cpu_count() or 1, 4))
 # Leaves read side by side from a local disk, each in its own part of the
-# budget (`_fill_in_parts`), at most; a part is at least `MIN_PART_BYTES`,
-# so its pieces are still filled in place (`IN_PLACE_MIN_PIECE_BYTES`).
+# budget (`_fill_in_parts`), at most; a part is at least `MIN_PART_BYTES`
+# (pieces of 6.4 MiB).  The 24-leaf stock checkpoint of
+# `bench/restore_stock.py --leaves 24` (1 GiB), 4 alternating reps in one
+# process (a scratch script): at 128 MiB 0.71-0.83 s in two parts, against
+# 1.25-1.66 s in one (parts of at least 80 MiB).  At 64 MiB no second part
+# fits.
 MAX_LEAF_PARTS = max(1, min(os.cpu_count() or 1, 8))
-MIN_PART_BYTES = 5 * IN_PLACE_MIN_PIECE_BYTES
+MIN_PART_BYTES = 32 << 20
 
 
 def _lanes(src: Source, keys, shape, max_lanes: int, task_bytes: int) -> list[Source]:
@@ -858,6 +862,33 @@ def _fill_side_by_side(fill, leaves) -> None:
       for f in futures:
         f.cancel()
       raise
+
+
+def _parts_can_read(leaves, piece_bytes: int) -> bool:
+  """Whether pieces of `piece_bytes` read every leaf (`fill_all`'s tuples).
+
+  A chunk bigger than a piece is read by chunkread, whose decoder window
+  does not shrink with the piece: a zstd frame of a big window (a high
+  level) may need more than a part's pieces leave for it, where the whole
+  budget's did (`Source` refuses it), or a layout chunkread does not read.
+  Then the leaves are read one after another, with the whole room.
+  """
+  for info, _, t, kv, *_ in leaves:
+    stored_itemsize = np.dtype(t.dtype.numpy_dtype).itemsize
+    if math.prod(_stored_chunk(t)) * stored_itemsize <= piece_bytes:
+      continue
+    try:
+      stored = chunkread.StoredArray.open(kv, info.name)
+    except NotImplementedError:
+      return False
+    try:
+      if cost.chunkread_piece_bytes(
+          piece_bytes, lambda p, s=stored: s.state_bytes(p) + s.cursor_bytes(p),
+          stored_itemsize) is None:
+        return False
+    finally:
+      stored.close()
+  return True
 
 
 def _fill_in_parts(fill, num_leaves: int, parts: int, read: ReadContext,
@@ -1417,14 +1448,22 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
                 for info, *_ in leaves]
     parts = 1 if remote or any(r is not None for r in reserves) else max(1, min(
         MAX_LEAF_PARTS, len(leaves), ctx.pieces_capacity_bytes // MIN_PART_BYTES))
-    # Each part's pieces are sized to its share of the room (programs are
-    # held for all of them once, below).
-    share = dataclasses.replace(
-        ctx, pieces_capacity_bytes=ctx.pieces_capacity_bytes // parts,
-        piece_bytes=min(ctx.piece_bytes, cost.restore_piece_bytes(ctx.pieces_capacity_bytes // parts)))
-    read, programs = _admit_programs(share, [
-        (shape, dtype, itemsize, _stored_chunk(t), sharding)
-        for _, _, t, _, shape, dtype, sharding, itemsize in leaves])
+
+    def sized(parts):
+      # Each part's pieces are sized to its share of the room (programs are
+      # held for all of them once, below).
+      share = dataclasses.replace(
+          ctx, pieces_capacity_bytes=ctx.pieces_capacity_bytes // parts,
+          piece_bytes=min(ctx.piece_bytes,
+                          cost.restore_piece_bytes(ctx.pieces_capacity_bytes // parts)))
+      return _admit_programs(share, [
+          (shape, dtype, itemsize, _stored_chunk(t), sharding)
+          for _, _, t, _, shape, dtype, sharding, itemsize in leaves])
+
+    read, programs = sized(parts)
+    if parts > 1 and not _parts_can_read(leaves, read.piece_bytes):
+      parts = 1
+      read, programs = sized(1)
     out = [None] * len(leaves)
 
     def fill(j, read=read, max_lanes=lanes):
@@ -1461,7 +1500,7 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
   # Reads block on TensorStore and on the limiter: off the event loop.  The
   # leaves' bookkeeping (specs, open TensorStores, results) is admitted first.
   with ctx.limiter.lease(ctx.capacity_bytes, mmap_threshold_bytes=hostmem.read_mmap_threshold(
-      remote=storage.is_remote(infos[0].parent_dir))):
+      remote=storage.is_remote(infos[0].parent_dir), capacity_bytes=ctx.capacity_bytes)):
     async with ctx.limiter.hold(cost.leaves_charge(len(infos))):
       remote = storage.is_remote(parent)
 
@@ -1597,5 +1636,6 @@ async def read_numpy(handler, infos, args, ctx: ReadContext) -> list[np.ndarray]
     return out
 
   with ctx.limiter.lease(ctx.capacity_bytes, mmap_threshold_bytes=hostmem.read_mmap_threshold(
-      remote=remote)), ctx.limiter.hold_sync(cost.leaves_charge(len(infos))):
+      remote=remote, capacity_bytes=ctx.capacity_bytes)), ctx.limiter.hold_sync(
+          cost.leaves_charge(len(infos))):
     return await asyncio.to_thread(read_all)

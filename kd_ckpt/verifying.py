@@ -220,7 +220,8 @@ def verify(
   hostmem.release_free_memory()
   with hostmem.PeakRss() as peak, ctx.limiter.lease(
       ctx.capacity_bytes,
-      mmap_threshold_bytes=hostmem.read_mmap_threshold(remote=storage.is_remote(directory))):
+      mmap_threshold_bytes=hostmem.read_mmap_threshold(remote=storage.is_remote(directory),
+                                                      capacity_bytes=ctx.capacity_bytes)):
     start = time.monotonic()
     records = integrity.read(path)
     checks = []

@@ -164,11 +164,12 @@ def test_parallel_reads_of_stock_shards_hold_the_budget(saved, state, budget, de
 @pytest.mark.parametrize('state,saved_by,budget,devices', [
     ('mixed_dtypes', 'stock', 256 * MiB, 'copying'), ('mixed_dtypes', 'stock', 512 * MiB, 'cpu'),
     ('zeros', 'stock', 256 * MiB, 'cpu'), ('zeros', 'streaming', 384 * MiB, 'copying'),
-    ('prime_rep', 'stock', 512 * MiB, 'copying')])
+    ('prime_rep', 'stock', 512 * MiB, 'copying'), ('mixed_dtypes', 'stock', 128 * MiB, 'copying'),
+    ('zeros', 'stock', 96 * MiB, 'copying'), ('many_medium', 'stock', 96 * MiB, 'cpu')])
 def test_leaves_read_side_by_side_hold_the_budget(saved, state, saved_by, budget, devices):
   """From a local disk, leaves bigger than a piece are read several at once,
-  each in its own part of the budget (`reading._fill_in_parts`, from about
-  200 MiB): together they stay inside it."""
+  each in its own part of the budget (`reading._fill_in_parts`, parts of at
+  least 32 MiB): together they stay inside it."""
   d = saved(state, saved_by)
   r = states.run_worker('restore', d, state, str(STATE_BYTES), str(budget),
                         env=states.COPYING_DEVICES if devices == 'copying' else None)

@@ -267,3 +267,16 @@ def test_reads_keep_freed_read_buffers_in_the_heap(tmp_path):
   read_kept, save_kept = json.loads(proc.stdout.strip().splitlines()[-1])
   assert read_kept >= 4 << 20, read_kept
   assert save_kept < 4 << 20, save_kept
+
+
+def test_a_reads_heap_threshold_shrinks_with_its_capacity():
+  """Freed read buffers under the threshold stay in the arenas, outside the
+  limiter: at small budgets the threshold is a share of the capacity (the
+  zeros state restored at 96 MiB on copying devices peaked 54-121 MiB beyond
+  its arrays with 8 MiB, 31-32 MiB with this; tests/test_budget.py)."""
+  MiB = 1 << 20
+  assert hostmem.read_mmap_threshold(remote=False) == hostmem.READ_MMAP_THRESHOLD_BYTES
+  assert hostmem.read_mmap_threshold(remote=False, capacity_bytes=1 << 30) == 8 * MiB
+  assert hostmem.read_mmap_threshold(remote=False, capacity_bytes=72 * MiB) == 72 * MiB // 16
+  assert hostmem.read_mmap_threshold(remote=False, capacity_bytes=8 * MiB) == 1 * MiB
+  assert hostmem.read_mmap_threshold(remote=True, capacity_bytes=1 << 30) == 1 * MiB

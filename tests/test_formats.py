@@ -432,6 +432,43 @@ def test_leaves_of_one_shard_are_read_side_by_side_in_parts_of_the_budget(
   assert len(carved) == 3 and sum(n for n, _ in carved) <= carved[0][1], carved
 
 
+def test_leaves_a_part_could_not_decode_are_read_with_the_whole_room(tmp_path, monkeypatch):
+  """A zstd frame's decoder window does not shrink with the pieces: where a
+  part's pieces leave too little for it but the whole budget's do not, the
+  leaves are read one after another, as before parts (not refused)."""
+  from kd_ckpt import chunkread, reading  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(reading, 'MAX_LEAF_PARTS', 2)
+  startup.start_compiler()
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  rng = np.random.default_rng(11)
+  values = {f'l{i}': rng.standard_normal((1999, 5003)).astype(np.float32) for i in range(3)}
+  with ocp.StandardCheckpointer() as c:
+    c.save(tmp_path / 'c', {k: jax.device_put(v, one) for k, v in values.items()})
+  # As if each frame had a 64 MiB window (a high zstd level): decodable in
+  # the whole room's pieces (46 MiB at 256 MiB), not in a part's (23 MiB).
+  monkeypatch.setattr(chunkread.StoredArray, '_decoder_window', lambda self: 64 << 20)
+  running, most = [0], [0]
+  lock = threading.Lock()
+  real_fill = reading.fill_array
+
+  def counting_fill(*a, **k):
+    with lock:
+      running[0] += 1
+      most[0] = max(most[0], running[0])
+    try:
+      return real_fill(*a, **k)
+    finally:
+      with lock:
+        running[0] -= 1
+
+  monkeypatch.setattr(reading, 'fill_array', counting_fill)
+  target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=one) for k, v in values.items()}
+  back = kd_ckpt.restore(tmp_path / 'c', target, host_ram_budget='256MiB')
+  for k, v in values.items():
+    assert np.asarray(back[k]).tobytes() == v.tobytes(), k
+  assert most[0] == 1, most
+
+
 def test_a_leaf_of_one_zstd_chunk_is_decoded_into_place_and_a_sharded_one_by_tensorstore(
     tmp_path, monkeypatch):
   """From a local disk a leaf stored as one zstd chunk is decoded by chunkread
