@@ -60,10 +60,11 @@ class LimiterStats:
 class HostLimiter:
   """A byte semaphore shared by threads and asyncio tasks of one process."""
 
-  def __init__(self):
+  def __init__(self, capacity_bytes: int | None = None):
+    """`capacity_bytes`: a lease for the limiter's whole life (`carve`'s parts)."""
     self._lock = threading.Lock()
     self._cond = threading.Condition(self._lock)
-    self._leases: list[int] = []
+    self._leases: list[int] = [] if capacity_bytes is None else [int(capacity_bytes)]
     self._in_use = 0
     self._peak = 0
     self._waits = 0
@@ -250,9 +251,7 @@ class HostLimiter:
       yield None
       return
     try:
-      part = HostLimiter()
-      part._leases.append(int(nbytes))  # pylint: disable=protected-access
-      yield part
+      yield HostLimiter(nbytes)
     finally:
       self.release(nbytes)
 
