@@ -113,6 +113,17 @@ def test_async_safe_checkpointer_report_covers_the_whole_save(tmp_path, state):
     assert r['peak_extra_bytes'] >= 0.8 * r['whole_save_peak_extra_bytes'] - TOLERANCE, r
 
 
+def _check_restore(d, state, saved_by, budget, devices):
+  """Restores checkpoint `d` of `state` in a fresh process: its peak beyond
+  the restored arrays is within the budget."""
+  r = states.run_worker('restore', d, state, str(STATE_BYTES), str(budget),
+                        env=states.COPYING_DEVICES if devices == 'copying' else None)
+  beyond = r['peak_extra_bytes'] - r['restored_bytes']
+  print(f'restore {state} ({saved_by}, {devices}) at {budget / MiB:.0f} MiB:'
+        f' {beyond / MiB:.1f} MiB beyond {r["restored_bytes"] / MiB:.0f} MiB restored')
+  assert beyond <= budget + TOLERANCE, r
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize('state,saved_by,devices', [
     ('prime', 'streaming', 'cpu'), ('prime', 'streaming', 'copying'),
@@ -124,14 +135,8 @@ def test_restore_holds_the_budget(saved, state, saved_by, devices):
   """`devices='copying'`: as on GPUs, which copy the host shards they are
   given (big shards are then filled in place); 'cpu' keeps them."""
   # 2,000 leaves' bookkeeping alone is 47 MiB (cost.PER_LEAF_BYTES).
-  budget = 96 * MiB if state == 'many_small' else 48 * MiB
-  d = saved(state, saved_by)
-  r = states.run_worker('restore', d, state, str(STATE_BYTES), str(budget),
-                        env=states.COPYING_DEVICES if devices == 'copying' else None)
-  beyond = r['peak_extra_bytes'] - r['restored_bytes']
-  print(f'restore {state} ({saved_by}, {devices}): {beyond / MiB:.1f} MiB beyond'
-        f' {r["restored_bytes"] / MiB:.0f} MiB restored, budget {budget / MiB:.0f} MiB')
-  assert beyond <= budget + TOLERANCE, r
+  _check_restore(saved(state, saved_by), state, saved_by,
+                 96 * MiB if state == 'many_small' else 48 * MiB, devices)
 
 
 @pytest.mark.slow
@@ -151,13 +156,7 @@ def test_parallel_reads_of_stock_shards_hold_the_budget(saved, state, budget, de
   host shard, shards are read whole at every budget.  Every read's buffers
   are admitted before they exist.
   """
-  d = saved(state, 'stock')
-  r = states.run_worker('restore', d, state, str(STATE_BYTES), str(budget),
-                        env=states.COPYING_DEVICES if devices == 'copying' else None)
-  beyond = r['peak_extra_bytes'] - r['restored_bytes']
-  print(f'restore {state} (stock, {devices}) at {budget / MiB:.0f} MiB: {beyond / MiB:.1f} MiB beyond'
-        f' {r["restored_bytes"] / MiB:.0f} MiB restored')
-  assert beyond <= budget + TOLERANCE, r
+  _check_restore(saved(state, 'stock'), state, 'stock', budget, devices)
 
 
 @pytest.mark.slow
@@ -170,13 +169,7 @@ def test_leaves_read_side_by_side_hold_the_budget(saved, state, saved_by, budget
   """From a local disk, leaves bigger than a piece are read several at once,
   each in its own part of the budget (`reading._fill_in_parts`, parts of at
   least 32 MiB): together they stay inside it."""
-  d = saved(state, saved_by)
-  r = states.run_worker('restore', d, state, str(STATE_BYTES), str(budget),
-                        env=states.COPYING_DEVICES if devices == 'copying' else None)
-  beyond = r['peak_extra_bytes'] - r['restored_bytes']
-  print(f'restore {state} ({saved_by}, {devices}) at {budget / MiB:.0f} MiB:'
-        f' {beyond / MiB:.1f} MiB beyond {r["restored_bytes"] / MiB:.0f} MiB restored')
-  assert beyond <= budget + TOLERANCE, r
+  _check_restore(saved(state, saved_by), state, saved_by, budget, devices)
 
 
 @pytest.mark.slow
