@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -232,6 +233,27 @@ def resident_bytes(tree) -> int:
 
 # Restores on devices that copy a host shard instead of keeping it (GPUs):
 # the CPU backend keeps it (`reading._shares_host_buffers`) unless told not to.
+def counting_calls(fn, pause_secs: float = 0.0):
+  """(wrapper of `fn`, [most calls of it running at once]): how many leaves a
+  restore fills at a time (patched over `reading.fill_array`).  `pause_secs`
+  in each call lets calls that run side by side meet, however fast the reads."""
+  lock, now, most = threading.Lock(), [0], [0]
+
+  @functools.wraps(fn)
+  def counted(*args, **kwargs):
+    with lock:
+      now[0] += 1
+      most[0] = max(most[0], now[0])
+    try:
+      time.sleep(pause_secs)
+      return fn(*args, **kwargs)
+    finally:
+      with lock:
+        now[0] -= 1
+
+  return counted, most
+
+
 COPYING_DEVICES = {'KD_CKPT_SHARE_HOST_BUFFERS': '0'}
 
 

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import pathlib
 import re
-import threading
-import time
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +37,7 @@ import pytest
 import kd_ckpt
 from kd_ckpt import hostmem
 from kd_ckpt import startup
+from tests import states
 
 MiB = 1 << 20
 TOLERANCE = 8 * MiB
@@ -403,20 +402,9 @@ def test_leaves_of_one_shard_are_read_side_by_side_in_parts_of_the_budget(
     c.save(tmp_path / 'c', tree)
   del tree
 
-  running, most, carved = [0], [0], []
-  lock = threading.Lock()
-  real_fill, real_carve = reading.fill_array, limiter.HostLimiter.carve
-
-  def counting_fill(*a, **k):
-    with lock:
-      running[0] += 1
-      most[0] = max(most[0], running[0])
-    try:
-      time.sleep(0.05)  # leaves overlap however fast this machine reads
-      return real_fill(*a, **k)
-    finally:
-      with lock:
-        running[0] -= 1
+  # Leaves overlap however fast this machine reads.
+  counting_fill, most = states.counting_calls(reading.fill_array, pause_secs=0.05)
+  carved, real_carve = [], limiter.HostLimiter.carve
 
   def watched_carve(self, nbytes, **k):
     carved.append((nbytes, self.capacity_bytes))
@@ -447,20 +435,7 @@ def test_leaves_a_part_could_not_decode_are_read_with_the_whole_room(tmp_path, m
   # As if each frame had a 64 MiB window (a high zstd level): decodable in
   # the whole room's pieces (46 MiB at 256 MiB), not in a part's (23 MiB).
   monkeypatch.setattr(chunkread.StoredArray, '_decoder_window', lambda self: 64 << 20)
-  running, most = [0], [0]
-  lock = threading.Lock()
-  real_fill = reading.fill_array
-
-  def counting_fill(*a, **k):
-    with lock:
-      running[0] += 1
-      most[0] = max(most[0], running[0])
-    try:
-      return real_fill(*a, **k)
-    finally:
-      with lock:
-        running[0] -= 1
-
+  counting_fill, most = states.counting_calls(reading.fill_array)
   monkeypatch.setattr(reading, 'fill_array', counting_fill)
   target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=one) for k, v in values.items()}
   back = kd_ckpt.restore(tmp_path / 'c', target, host_ram_budget='256MiB')

@@ -348,20 +348,8 @@ def test_leaves_from_a_bucket_are_filled_side_by_side(server, bucket, monkeypatc
           for i in range(6)}  # 8 MiB each, 1 MiB shards
   path = f'{bucket}/c'
   kd_ckpt.save(path, tree, strategy='streaming', host_ram_budget=256 * MiB)
-  lock, now, most = __import__('threading').Lock(), [0], [0]
-  fill = reading.fill_array
-
-  def counted(*args, **kwargs):
-    with lock:
-      now[0] += 1
-      most[0] = max(most[0], now[0])
-    try:
-      time.sleep(0.05)  # the emulator answers in microseconds: let them meet
-      return fill(*args, **kwargs)
-    finally:
-      with lock:
-        now[0] -= 1
-
+  # The emulator answers in microseconds: a pause lets the leaves meet.
+  counted, most = states.counting_calls(reading.fill_array, pause_secs=0.05)
   monkeypatch.setattr(reading, 'fill_array', counted)
   back = kd_ckpt.restore(path, _abstract(tree), host_ram_budget=128 * MiB)
   _same(back, tree)
