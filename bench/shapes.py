@@ -174,6 +174,8 @@ def main() -> int:
       ' | Orbax restores stock user s | kd restores stock x | Orbax restores kd\'s user s'
       ' | kd restores its own x | stock restore faults MiB, Orbax / kd |',
       '| --- | --- | --- | --- | --- | --- | --- | --- | --- |']
+  if args.dir:
+    os.makedirs(args.dir, exist_ok=True)
   for name in args.states.split(','):
     root = tempfile.mkdtemp(prefix=f'kd_shapes_{name}_', dir=args.dir)
     try:

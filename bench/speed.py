@@ -94,6 +94,11 @@ LEAF_VARIANTS = ('kd_ckpt streaming', 'kd_ckpt auto', ORBAX)
 # MAX_LEAF_SAVES) until its saves have taken LEAF_SAVE_SECS.
 LEAF_SAVE_SECS = 2.0
 MAX_LEAF_SAVES = 15
+# A scale row (kd_ckpt's and Orbax's alike) saves on the same way, at most
+# MAX_SCALE_SAVES times: a single 128 MiB save took 0.11-0.24 s on this VM,
+# the spread in kernel (page cache) time, which made the flatness figure
+# the noise of one sample (2026-12-04, thirteenth session).
+MAX_SCALE_SAVES = 7
 KEEP = 2
 _FAILED: list[str] = []  # rows whose worker failed, raised or restored wrong: exit 1
 
@@ -350,8 +355,8 @@ def _save_restore_worker(spec: dict) -> dict:
     start = time.perf_counter()
     save(dest, state, budget)
     each.append(time.perf_counter() - start)
-    more = len(each) < saves or (spec['part'] == 'leaves' and sum(each) < LEAF_SAVE_SECS
-                                 and len(each) < MAX_LEAF_SAVES)
+    cap = {'leaves': MAX_LEAF_SAVES, 'scale': MAX_SCALE_SAVES}.get(spec['part'], 1)
+    more = len(each) < saves or (sum(each) < LEAF_SAVE_SECS and len(each) < cap)
     if not more:
       os.rename(dest, path)
       break
@@ -465,10 +470,20 @@ def _stall_part(args, root: str) -> tuple[list[str], list[dict]]:
   return lines, results
 
 
+def _each_note(each) -> str:
+  """The saves a median came from: each (up to 5) or their count and range."""
+  if 1 < len(each) <= 5:
+    return ' / '.join(f'{t:.2f}' for t in each)
+  if len(each) > 5:
+    return f'{len(each)} saves, {min(each):.3f}-{max(each):.3f}'
+  return ''
+
+
 def _scale_part(args, root: str) -> tuple[list[str], list[dict]]:
   budget = args.budget
   rows, results = [], []
   per_gb = []
+  others_per_gb: dict[str, list[float]] = {}  # the same figure for dd and Orbax
   for size in args.scale_sizes.split(','):
     nbytes = measure.parse_bytes(size) // 4096 * 4096
     spec = dict(part='scale', bytes=nbytes, budget=budget)
@@ -482,8 +497,12 @@ def _scale_part(args, root: str) -> tuple[list[str], list[dict]]:
     s_per_gb = save / (nbytes / GB) if save else None
     if s_per_gb:
       per_gb.append(s_per_gb)
-    notes = '; '.join(f'{w}: {r["error"]}' for w, r in (('kd_ckpt', kd), ('Orbax', ob))
-                      if 'error' in r)
+    for who, secs in (('dd', dd), (ORBAX, ob.get('save_secs'))):
+      if secs:
+        others_per_gb.setdefault(who, []).append(secs / (nbytes / GB))
+    notes = '; '.join(
+        f'{w}: {n}' for w, r in (('kd_ckpt', kd), ('Orbax', ob))
+        for n in (_each_note(r.get('save_secs_each', ())), r.get('error')) if n)
     rows.append(
         f'| {measure.fmt_bytes(nbytes)} | {_f(save)} | {_f(s_per_gb)} | {_f(dd)}'
         f' ({_f(kd.get("dd_before_secs"))}, {_f(kd.get("dd_after_secs"))}) |'
@@ -497,15 +516,19 @@ def _scale_part(args, root: str) -> tuple[list[str], list[dict]]:
       f'kd_ckpt: `kd_ckpt.save(strategy="streaming", host_ram_budget="{budget}")`,'
       f' then `kd_ckpt.restore` at {budget}; Orbax: `ocp.StandardCheckpointer()`'
       ' save + `wait_until_finished`, then its restore; each restores its own checkpoint,'
-      ' checked bit-exact.  dd: `dd if=/dev/zero bs=16M conv=fsync` of the same bytes just'
-      ' before and just after the kd_ckpt save (mean; before, after); x dd = kd save / that'
-      ' mean.  GB = 1e9 bytes.', '',
+      ' checked bit-exact.  save s: the median of the saves in the row\'s process, one'
+      f' after another until they took {LEAF_SAVE_SECS:g} s (at most {MAX_SCALE_SAVES};'
+      ' the notes give each, or their count and range).  dd: `dd if=/dev/zero bs=16M'
+      ' conv=fsync` of the same bytes just before and just after the kd_ckpt saves (mean;'
+      ' before, after); x dd = kd save / that mean.  GB = 1e9 bytes.', '',
       '| size | kd save s | kd s/GB | dd s (before, after) | x dd | Orbax save s | x Orbax |'
       ' kd restore s | Orbax restore s | x Orbax | notes |',
       '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |',
       *rows, '',
       f'Flatness (kd_ckpt save, max s/GB over min s/GB across sizes): {_f(flat)}'
-      + (f' ({_f(min(per_gb))} .. {_f(max(per_gb))} s/GB)' if flat else '')]
+      + (f' ({_f(min(per_gb))} .. {_f(max(per_gb))} s/GB)' if flat else '')
+      + ''.join(f'; {who} in the same run: {_f(max(v) / min(v))} ({_f(min(v))} .. {_f(max(v))}'
+                ' s/GB)' for who, v in others_per_gb.items() if len(v) > 1)]
   return lines, results
 
 
@@ -535,13 +558,8 @@ def _leaves_part(args, root: str) -> tuple[list[str], list[dict]]:
     ob = table[n, ORBAX]
     for variant in LEAF_VARIANTS:
       r = table[n, variant]
-      notes = r.get('error', '')
-      each = r.get('save_secs_each', ())
-      if 1 < len(each) <= 5:
-        notes = ' / '.join(f'{t:.2f}' for t in each) + (f'; {notes}' if notes else '')
-      elif len(each) > 5:
-        notes = (f'{len(each)} saves, {min(each):.3f}-{max(each):.3f}'
-                 + (f'; {notes}' if notes else ''))
+      notes = '; '.join(n for n in (_each_note(r.get('save_secs_each', ())),
+                                    r.get('error', '')) if n)
       if 'budget_used' in r:
         notes = (f'refused at {budget}; ran at {r["budget_used"]}, the smallest whole MiB'
                  ' kd_ckpt plans' + (f'; {notes}' if notes else ''))

@@ -448,7 +448,12 @@ def test_async_report_covers_memory_the_background_commit_allocates(tmp_path, mo
   monkeypatch.setattr(orbax_writer.compat, 'async_replica_slice_writer', write_holding_memory)
   ckpt = kd_ckpt.SafeCheckpointer(workdir=tmp_path, save_interval_steps=1,
                                   host_ram_budget=512 * MiB, strategy='orbax')
-  ckpt.save(State(params={'w': jnp.ones((1024, 1024))}), step=1)
+  state = State(params={'w': jnp.ones((1024, 1024))})
+  # Earlier tests' garbage, collected during the save and trimmed after it,
+  # would take RSS under the report's baseline before the commit allocates.
+  import gc  # pylint: disable=g-import-not-at-top
+  gc.collect()
+  ckpt.save(state, step=1)
   returned.set()
   ckpt.wait_until_finished()
   report = ckpt.reports[-1]
