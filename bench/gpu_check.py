@@ -10,6 +10,9 @@ staging.  This script runs the same comparison where they are real:
   rows:   Orbax default (CheckpointManager, async) with pinned host transfer
           on/off x replica parallel on/off; kd_ckpt auto and streaming at
           1 GiB; dd of the same bytes (disk ceiling)
+  stock:  kd_ckpt restoring the checkpoint the first Orbax row wrote, at
+          --stock-budgets (a resumed run begun under stock Orbax; issue 20
+          asks for Orbax's restore time there), in that row's process
 
 Each row runs in a fresh subprocess (the XLA pinned-host pool is never given
 back to the OS, so rows must not share a process).  A deadline (default
@@ -167,8 +170,9 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
   # Warm-up on a tiny tree: imports, thread pools, pinned allocator init.
   tiny = {'a': jax.device_put(np.ones((8, 128), np.float32))}
   save(tiny, 0)
-  restore(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                      sharding=x.sharding), tiny), 0)
+  tiny_target = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tiny)
+  restore(tiny_target, 0)
   del tiny
   gc.collect()
   measure.malloc_trim()
@@ -216,10 +220,85 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     row['restore_ok'] = ok
     if not ok:
       notes.append('RESTORED DATA DIFFERS')
+    del restored
+    if spec.get('stock_budgets'):
+      row['stock_restores'] = stock_restores(jax, os.path.join(workdir, 'orbax'), target,
+                                             spec['stock_budgets'], fp_before, tiny_target)
   row['notes'] = '; '.join(notes)
   if not is_kd:
     mngr.close()
   return row
+
+
+def stock_restores(jax, root: str, target, budgets, fp_before,
+                   warm_target) -> list[dict[str, Any]]:
+  """kd_ckpt.restore of the checkpoint Orbax wrote at step 1, at each budget,
+  after an untimed one of its warm-up checkpoint (step 0): kd_ckpt's one-time
+  costs in the process, as Orbax's own restore had them paid."""
+  import gc  # pylint: disable=g-import-not-at-top
+
+  import kd_ckpt  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  def item(step):  # the manager's item directory (`default` for an unnamed handler)
+    d = os.path.join(root, str(step))
+    return next(os.path.join(d, x) for x in sorted(os.listdir(d))
+                if os.path.exists(os.path.join(d, x, '_METADATA')))
+
+  jax.block_until_ready(kd_ckpt.restore(item(0), warm_target, host_ram_budget=budgets[0]))
+  out = []
+  for budget in budgets:
+    gc.collect()
+    measure.malloc_trim()
+    res: dict[str, Any] = {'budget_bytes': budget}
+    try:
+      with measure.Peak() as p:
+        t0 = time.perf_counter()
+        restored = jax.block_until_ready(
+            kd_ckpt.restore(item(1), target, host_ram_budget=budget))
+        res['seconds'] = time.perf_counter() - t0
+      res['extra_bytes'] = p.extra_bytes
+      res['restored_bytes'] = (
+          int(sum({s.data.unsafe_buffer_pointer(): s.data.nbytes
+                   for x in jax.tree.leaves(restored) for s in x.addressable_shards}.values()))
+          if jax.default_backend() == 'cpu' else 0)
+      fp_after = fingerprint(jax, restored)
+      res['ok'] = len(fp_before) == len(fp_after) and all(
+          np.allclose(a, b, rtol=1e-5) for a, b in zip(fp_before, fp_after))
+      del restored
+    except Exception as e:  # pylint: disable=broad-except
+      res['error'] = f'{type(e).__name__}: {str(e)[:300]}'
+    out.append(res)
+  return out
+
+
+def stock_table(rows) -> tuple[str, list[str]]:
+  """The stock-restore rows as a table, and their budget violations."""
+  lines = ['| state | kd_ckpt budget | seconds | x Orbax\'s restore | peak beyond arrays'
+           ' | / budget | values |', '| --- | --- | --- | --- | --- | --- | --- |']
+  failures = []
+  for r in rows:
+    for s in r.get('stock_restores') or ():
+      budget = s['budget_bytes']
+      name = f"{r['state']} stock restore @{measure.budget_label(budget)}"
+      if s.get('error'):
+        lines.append(f"| {r['state']} | {measure.budget_label(budget)} | - | - | - | - |"
+                     f" ERROR: {s['error'].replace('|', '/')} |")
+        failures.append(f'{name}: failed: {s["error"]}')
+        continue
+      over = s['extra_bytes'] - s.get('restored_bytes', 0)
+      own = r.get('restore_seconds')
+      ratio = f"{s['seconds'] / own:.2f}x" if own else '-'
+      lines.append(
+          f"| {r['state']} | {measure.budget_label(budget)} | {s['seconds']:.2f} | {ratio} |"
+          f' {measure.fmt_bytes(over)} | {over / budget:.2f} |'
+          f" {'ok' if s.get('ok') else 'DIFFER'} |")
+      if over > measure.kd_limit_bytes(budget):
+        failures.append(f'{name}: peak beyond the restored arrays {measure.fmt_bytes(over)}'
+                        f' > limit {measure.fmt_bytes(measure.kd_limit_bytes(budget))}')
+      if not s.get('ok'):
+        failures.append(f'{name}: restored values differ from the saved ones')
+  return '\n'.join(lines), failures
 
 
 def worker_main(spec_json: str) -> int:
@@ -290,6 +369,9 @@ def main(argv=None) -> int:
   p.add_argument('--deadline', type=float, default=None,
                  help='seconds for all rows; later rows are skipped past it'
                  ' (default 450, dry run 900)')
+  p.add_argument('--stock-budgets', default='256MiB,1GiB',
+                 help='kd_ckpt restores the first Orbax row\'s checkpoint at each'
+                 ' (states up to --restore-max; empty: none)')
   p.add_argument('--restore-max', default='4GB',
                  help='measure restores only for states up to this size')
   p.add_argument('--dry-run', action='store_true',
@@ -320,6 +402,7 @@ def main(argv=None) -> int:
     args.deadline = 900.0 if args.dry_run else 450.0
   budget = measure.parse_bytes(args.budget)
   restore_max = measure.parse_bytes(args.restore_max)
+  stock_budgets = [measure.parse_bytes(b) for b in args.stock_budgets.split(',') if b]
   workroot = tempfile.mkdtemp(prefix='kd_gpu_check_')
   rows: list[dict[str, Any]] = []
   k = 0
@@ -332,6 +415,9 @@ def main(argv=None) -> int:
         spec = {**v, 'bytes': nbytes, 'state_label': state_label,
                 'workdir': os.path.join(workroot, f'w{k}'),
                 'restore': nbytes <= restore_max}
+        if (nbytes <= restore_max and v == all_variants(budget)[0]
+            and not v['variant'].startswith('kd_ckpt')):
+          spec['stock_budgets'] = stock_budgets
         if left < 20:
           row = {'state': state_label, 'variant': label(v),
                  'budget_bytes': v.get('budget'), 'error': 'skipped: deadline'}
@@ -388,6 +474,8 @@ def write_outputs(out, rows, budget, restore_max, dry_run, wall, final):
   for r in rows:
     r['orbax_default_seconds'] = ref.get(r['state'])
   violations = measure.check_rows(rows)
+  stock, stock_failures = stock_table(rows)
+  violations += stock_failures
   backend = next((r.get('backend') for r in rows if r.get('backend')), '?')
   vers = versions()
   md = '\n'.join([
@@ -405,6 +493,14 @@ def write_outputs(out, rows, budget, restore_max, dry_run, wall, final):
       ' skipped for time.',
       '',
       measure.save_table(rows),
+      '',
+      'kd_ckpt restoring the checkpoint of the first Orbax row (stock Orbax\'s format:'
+      ' one zstd chunk per shard), in that row\'s process after Orbax\'s own restore'
+      ' and an untimed kd_ckpt restore of the warm-up checkpoint;'
+      ' x Orbax\'s restore = these seconds / that restore\'s:',
+      '',
+      stock,
+      '',
       ('**FAIL**\n\n' + '\n'.join(f'- {v}' for v in violations)) if violations
       else '**PASS**: kd_ckpt streaming within budget*1.10 + 32 MiB.',
       '',

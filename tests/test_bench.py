@@ -452,6 +452,26 @@ def test_gpu_check_dry_run(tmp_path):
   assert 'Versions: python' in text and 'orbax-checkpoint' in text
   kd = [r for r in res['rows'] if r['variant'].startswith('kd_ckpt')]
   assert kd and all(not r.get('error') for r in kd), kd
+  # kd_ckpt restores the first Orbax row's checkpoint at each --stock-budgets.
+  stock, = [r for r in res['rows'] if r.get('stock_restores')]
+  assert stock['variant'] == 'orbax default, pinned on, replica-parallel on'
+  assert [s['budget_bytes'] for s in stock['stock_restores']] == [256 * MiB, 1024 * MiB]
+  assert all(s['ok'] and s['seconds'] > 0 for s in stock['stock_restores']), stock
+  assert '| 4.00 MiB | 256 MiB |' in text and '| 4.00 MiB | 1 GiB |' in text, text
+
+
+def test_gpu_check_stock_table_flags_a_restore_over_its_budget():
+  import gpu_check  # pylint: disable=g-import-not-at-top
+  rows = [{'state': 's', 'restore_seconds': 2.0, 'stock_restores': [
+      {'budget_bytes': 64 * MiB, 'seconds': 1.0, 'extra_bytes': 60 * MiB, 'ok': True},
+      {'budget_bytes': 64 * MiB, 'seconds': 3.0, 'extra_bytes': 128 * MiB, 'ok': True},
+      {'budget_bytes': 64 * MiB, 'seconds': 3.0, 'extra_bytes': 1 * MiB, 'ok': False},
+      {'budget_bytes': 64 * MiB, 'error': 'BudgetTooSmallError: raise it'}]}]
+  table, failures = gpu_check.stock_table(rows)
+  assert '| s | 64 MiB | 1.00 | 0.50x |' in table and '| s | 64 MiB | 3.00 | 1.50x |' in table
+  assert len(failures) == 3, failures
+  assert 'peak beyond the restored arrays 128' in failures[0]
+  assert 'differ' in failures[1] and 'BudgetTooSmallError' in failures[2]
 
 
 def test_budget_warnings_only_for_orbax_rows_over_budget():
