@@ -383,7 +383,9 @@ class _InPlace:
   A zeros buffer in `sharding` (the leaf's, every shard at once; or one
   device's, one shard), then one update per piece: the pieces tile a shard
   in whole stored chunks where they fit (`slicing.tile_shape`), all of one
-  shape, so two programs.
+  shape, so two programs.  With `partial`, the last piece along an axis
+  the pieces do not divide is cut short (`slicing.tiles`): an update
+  program for each piece shape (`_partial_tiles` says when).
   """
 
   sharding: Any
@@ -391,11 +393,35 @@ class _InPlace:
   shard: tuple[int, ...]
   piece: tuple[int, ...]       # each piece, in one shard
   dtype: np.dtype
+  partial: bool = False
 
   @property
   def programs(self) -> set:
-    return {('zeros', self.shape, self.dtype, self.sharding),
-            ('update', self.shape, self.piece, self.dtype, self.sharding)}
+    return {('zeros', self.shape, self.dtype, self.sharding)} | {
+        ('update', self.shape, piece, self.dtype, self.sharding)
+        for piece in slicing.tile_shapes(self.shard, self.piece, partial=self.partial)}
+
+  def tiles(self):
+    return slicing.tiles(self.shard, self.piece, partial=self.partial)
+
+
+def _partial_tiles(shard, piece, chunk, streamed: bool) -> bool:
+  """Whether a shard's last pieces are cut short rather than moved back.
+
+  Moved back, the last piece along an axis overlaps its neighbour; where a
+  stored zstd chunk spans both (one chunk per shard, as stock Orbax writes;
+  `streamed`), chunkread's decoder has passed the overlap and decodes the
+  chunk again from its start.  Raw chunks are read in byte ranges: there
+  the overlap costs only itself, and one program is kept.  `bench/restore_stock.py --leaves 24` on devices that
+  copy (KD_CKPT_SHARE_HOST_BUFFERS=0) at 256 MiB: leaves of 10,922 and
+  10,923 rows (no divisor near the piece's 2,860, `slicing.even_tile`) in
+  four pieces decoded 1,843 MiB for 1,024 and took 1.8-2.0 s, against
+  0.9-1.2 s at 1 GiB, where each leaf is read whole.  A shorter last piece
+  costs one more update program; it is paid only where the overlap would
+  be decoded again.
+  """
+  return streamed and any(int(n) % int(t) and int(c) > int(t)
+                         for n, t, c in zip(shard, piece, chunk))
 
 
 def _split_format(sharding):
@@ -405,7 +431,7 @@ def _split_format(sharding):
   return sharding.sharding, compat.format_layout(sharding)
 
 
-def _placement(shape, dtype, itemsize, chunk, sharding, piece_bytes):
+def _placement(shape, dtype, itemsize, chunk, sharding, piece_bytes, streamed: bool = False):
   """(groups, plan): shard box -> devices, and which shards are filled in place.
 
   plan is an `_InPlace` for the whole leaf (every shard at once), or a dict
@@ -444,21 +470,23 @@ def _placement(shape, dtype, itemsize, chunk, sharding, piece_bytes):
     # A step holds every device's copy of its piece (host RAM on the CPU
     # backend) and one host piece: within two of the read's pieces.
     piece_bytes = max(2 * piece_bytes // (devices + 2), itemsize)
-    tile = slicing.tile_shape(shard, chunk, itemsize, piece_bytes)
-    return groups, _InPlace(sharding, tuple(shape), shard,
-                            slicing.even_tile(shard, tile, chunk), dtype)
+    tile = slicing.even_tile(shard, slicing.tile_shape(shard, chunk, itemsize, piece_bytes),
+                             chunk)
+    return groups, _InPlace(sharding, tuple(shape), shard, tile, dtype,
+                            _partial_tiles(shard, tile, chunk, streamed))
+  tiles = {key: slicing.even_tile(extents[key], slicing.tile_shape(
+      extents[key], chunk, itemsize, piece_bytes), chunk) for key in groups if big[key]}
   return groups, {
       key: _InPlace(jax.sharding.SingleDeviceSharding(groups[key][0]), extents[key],
-                    extents[key], slicing.even_tile(extents[key], slicing.tile_shape(
-                        extents[key], chunk, itemsize, piece_bytes), chunk),
-                    dtype)
+                    extents[key], tiles[key], dtype,
+                    _partial_tiles(extents[key], tiles[key], chunk, streamed))
       if big[key] else None for key in groups}
 
 
-def _programs(shape, dtype, itemsize, chunk, sharding, piece_bytes) -> set:
+def _programs(shape, dtype, itemsize, chunk, sharding, streamed, piece_bytes) -> set:
   """The placement programs a leaf may compile (a leaf read by shard compiles
   none: admitted anyway, as `fill_array` decides that once its source is open)."""
-  _, plan = _placement(shape, dtype, itemsize, chunk, sharding, piece_bytes)
+  _, plan = _placement(shape, dtype, itemsize, chunk, sharding, piece_bytes, streamed)
   plans = [plan] if isinstance(plan, _InPlace) else [p for p in plan.values() if p]
   return set().union(*(p.programs for p in plans))
 
@@ -493,7 +521,8 @@ def fill_array(src: Source, shape, dtype, sharding, *, strict: bool, name: str,
   dtype = np.dtype(dtype)
   itemsize = max(dtype.itemsize, src.dtype.itemsize)
   piece = src.ctx.piece_bytes
-  groups, plan = _placement(shape, dtype, itemsize, src.chunk, sharding, piece)
+  groups, plan = _placement(shape, dtype, itemsize, src.chunk, sharding, piece,
+                            _zstd_chunks(src.t))
   sharding, layout = _split_format(sharding)
   memory_kind = getattr(sharding, 'memory_kind', None)
   plain = layout is None and memory_kind in (None, 'device')
@@ -540,11 +569,10 @@ def _fill_in_place(src: Source, shape, plan: _InPlace, groups, reserve,
   lim, dtype = src.ctx.limiter, plan.dtype
   every = isinstance(plan.sharding, jax.sharding.NamedSharding)
   update = _update_every_shard(plan.sharding) if every else _update
-  piece_nbytes = math.prod(plan.piece) * dtype.itemsize
+  piece_nbytes = math.prod(plan.piece) * dtype.itemsize  # the largest
   order = list(plan.sharding.addressable_devices_indices_map(plan.shape))
-  pieces_shape = tuple(f * (n // e) for f, n, e in zip(plan.piece, plan.shape, plan.shard))
   keys = list(groups)
-  tiles = list(slicing.tiles(plan.shard, plan.piece))
+  tiles = list(plan.tiles())
   # A step holds the device copies of its earlier shards' pieces while it
   # waits for the next read: all of them and the largest read must fit.
   # Every tile: with strict=False, one reaching past the saved array also
@@ -570,6 +598,7 @@ def _fill_in_place(src: Source, shape, plan: _InPlace, groups, reserve,
       i = 0
       for rel in tiles:
         on_devices, held = {}, 0
+        tile_nbytes = slicing.nbytes(rel, dtype.itemsize)  # a short last piece's own
         try:
           for key in keys:
             host, charge = ahead.take(i)
@@ -581,11 +610,13 @@ def _fill_in_place(src: Source, shape, plan: _InPlace, groups, reserve,
               jax.block_until_ready([on_devices[d] for d in devices])
             finally:
               del host  # the read and host piece go; the device copies stay
-              dev = len(devices) * piece_nbytes
+              dev = len(devices) * tile_nbytes
               lim.release(charge - dev)
               held += dev
           pieces = (jax.make_array_from_single_device_arrays(
-              pieces_shape, plan.sharding, [on_devices.pop(d) for d in order])
+              tuple((r.stop - r.start) * (n // e)
+                    for r, n, e in zip(rel, plan.shape, plan.shard)),
+              plan.sharding, [on_devices.pop(d) for d in order])
                     if every else on_devices.pop(order[0]))
           buf = update(buf, pieces, np.array([s.start for s in rel], np.int32))
           buf.block_until_ready()  # the pieces' copies are gone before release
@@ -1128,7 +1159,7 @@ class _HostShard:
 def _admit_programs(ctx: ReadContext, leaves) -> tuple[ReadContext, set]:
   """The read's pieces, sized to leave room for the programs it will compile.
 
-  `leaves`: (shape, dtype, itemsize, stored chunk, sharding) per leaf.  Returns the
+  `leaves`: (shape, dtype, itemsize, stored chunk, sharding, zstd chunks) per leaf.  Returns the
   context to read with and the keys of the new programs, whose bytes the
   caller holds for the rest of the read.  Smaller pieces can put more shards
   on their devices (more programs): iterates to a fixed point.
@@ -1457,7 +1488,7 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
           piece_bytes=min(ctx.piece_bytes,
                           cost.restore_piece_bytes(ctx.pieces_capacity_bytes // parts)))
       return _admit_programs(share, [
-          (shape, dtype, itemsize, _stored_chunk(t), sharding)
+          (shape, dtype, itemsize, _stored_chunk(t), sharding, _zstd_chunks(t))
           for _, _, t, _, shape, dtype, sharding, itemsize in leaves])
 
     read, programs = sized(parts)

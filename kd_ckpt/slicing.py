@@ -215,17 +215,37 @@ def even_tile(local_shape: Sequence[int], tile: Sequence[int], chunk: Sequence[i
   return tuple(out)
 
 
-def tiles(local_shape: Sequence[int], tile: Sequence[int]):
+def tiles(local_shape: Sequence[int], tile: Sequence[int], *, partial: bool = False):
   """Boxes of shape `tile` covering `local_shape`; the last one along each
   axis is moved back to end at the shard's end (overlapping its neighbour),
-  so every box has one shape.
+  so every box has one shape.  `partial`: the last one is cut short at the
+  shard's end instead (no overlap; boxes of up to two extents an axis).
 
     list(tiles((10, 4), (4, 4)))  # rows 0-4, 4-8, 6-10
+    list(tiles((10, 4), (4, 4), partial=True))  # rows 0-4, 4-8, 8-10
   """
   shape = [int(n) for n in local_shape]
+  if partial:
+    bounds = [[(s, min(s + t, n)) for s in range(0, n, t)] for n, t in zip(shape, tile)]
+    for corner in itertools.product(*bounds):
+      yield tuple(slice(a, b) for a, b in corner)
+    return
   starts = [sorted({min(s, n - t) for s in range(0, n, t)}) for n, t in zip(shape, tile)]
   for corner in itertools.product(*starts):
     yield tuple(slice(s, s + t) for s, t in zip(corner, tile))
+
+
+def tile_shapes(local_shape: Sequence[int], tile: Sequence[int], *,
+                partial: bool = False) -> set[tuple[int, ...]]:
+  """The shapes of `tiles(local_shape, tile, partial=...)`'s boxes.
+
+    tile_shapes((10, 4), (4, 4), partial=True)  # {(4, 4), (2, 4)}
+  """
+  if not partial:
+    return {tuple(int(t) for t in tile)}
+  extents = [{int(t)} | ({int(n) % int(t)} if int(n) % int(t) else set())
+             for n, t in zip(local_shape, tile)]
+  return set(itertools.product(*extents))
 
 
 def offset(index: tuple[slice, ...], box: tuple[slice, ...], shape) -> tuple[slice, ...]:

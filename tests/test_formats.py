@@ -476,6 +476,48 @@ def test_a_leaf_of_one_zstd_chunk_is_decoded_into_place_and_a_sharded_one_by_ten
   assert opened == ['one'], opened
 
 
+@pytest.mark.parametrize('layout', ['one_device', 'mesh'])
+def test_a_shard_filled_in_place_decodes_its_one_chunk_once(tmp_path, monkeypatch, layout):
+  """On devices that copy (GPUs), a shard of a stock checkpoint (one zstd
+  chunk) too big for the budget is filled in place, piece by piece, from one
+  stream decoder.  Prime rows: no piece size divides them
+  (`slicing.even_tile`).  The last piece is cut short, not moved back over
+  its neighbour, where the decoder had passed (it then decoded the chunk
+  again from its start: 1.8x the bytes).  Bit-exact, one decoder a shard."""
+  from kd_ckpt import chunkread, reading  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(reading, 'SHARE_HOST_BUFFERS', False)
+  monkeypatch.setattr(reading, 'MAX_LEAF_PARTS', 1)
+  startup.start_compiler()
+  rows = 4099  # prime
+  if layout == 'one_device':
+    sharding, shape = jax.sharding.SingleDeviceSharding(jax.devices()[0]), (rows, 2048)
+  else:  # every shard in one SPMD program (`_update_every_shard`)
+    sharding = NamedSharding(Mesh(np.array(jax.devices()[:2]), ('x',)), P('x'))
+    shape = (2 * rows, 2048)
+  value = np.random.default_rng(11).standard_normal(shape).astype(np.float32)
+  with ocp.StandardCheckpointer() as c:
+    c.save(tmp_path / 'c', {'w': jax.device_put(value, sharding)})
+  decoders, plans = [], []
+  real_cursor, real_fill = chunkread._Cursor.__init__, reading._fill_in_place
+
+  def counted_cursor(self, *a, **k):
+    decoders.append(1)
+    real_cursor(self, *a, **k)
+
+  def watched_fill(src, shape, plan, *a, **k):
+    plans.append(plan)
+    return real_fill(src, shape, plan, *a, **k)
+
+  monkeypatch.setattr(chunkread._Cursor, '__init__', counted_cursor)
+  monkeypatch.setattr(reading, '_fill_in_place', watched_fill)
+  target = {'w': jax.ShapeDtypeStruct(shape, np.float32, sharding=sharding)}
+  back = kd_ckpt.restore(tmp_path / 'c', target, host_ram_budget='64MiB')
+  assert np.asarray(back['w']).tobytes() == value.tobytes()
+  assert plans and all(p.partial for p in plans), plans
+  assert all(len(list(p.tiles())) > 2 for p in plans), plans  # in several pieces
+  assert len(decoders) == (1 if layout == 'one_device' else 2), decoders  # one a shard
+
+
 def test_a_device_that_copies_a_host_shard_it_was_to_keep_stops_sharing(
     tmp_path, monkeypatch, caplog):
   """If the CPU backend copies an aligned host shard after all (the probe was

@@ -1,5 +1,6 @@
 """Chunk grids for shards of any size: exact, and chosen without scanning a dim."""
 
+import itertools
 import math
 import signal
 
@@ -78,3 +79,24 @@ def test_a_shard_prime_on_both_axes_is_one_chunk_when_it_fits_two_slices():
   assert slicing.chunk_shape((32191, 521), 4, 16 << 20) == (32191, 1)
   # Chunks of a slice's 1/16 or more are kept: (640, 4729) rows of 12 MiB.
   assert slicing.chunk_shape((1280, 4729), 4, 13 << 20) == (640, 4729)
+
+
+@pytest.mark.parametrize('shape,tile', [((10, 4), (4, 4)), ((4099, 7), (1000, 3)),
+                                        ((8, 8), (4, 8)), ((5,), (5,)), ((13, 9, 2), (4, 9, 1))])
+def test_tiles_cover_the_shard_once_when_partial_and_overlap_only_at_the_end_otherwise(
+    shape, tile):
+  cover = {}
+  for box in slicing.tiles(shape, tile, partial=True):
+    for cell in itertools.product(*(range(s.start, s.stop) for s in box)):
+      cover[cell] = cover.get(cell, 0) + 1
+  assert len(cover) == math.prod(shape) and set(cover.values()) == {1}
+  assert {tuple(s.stop - s.start for s in box)
+          for box in slicing.tiles(shape, tile, partial=True)} == slicing.tile_shapes(
+              shape, tile, partial=True)
+  moved = list(slicing.tiles(shape, tile))
+  assert {tuple(s.stop - s.start for s in box) for box in moved} == slicing.tile_shapes(
+      shape, tile) == {tuple(tile)}
+  assert len(moved) == len(list(slicing.tiles(shape, tile, partial=True)))
+  # Boxes in order along each axis: a stream decoder reads them front to back.
+  firsts = [box[0].start for box in slicing.tiles(shape, tile, partial=True)]
+  assert firsts == sorted(firsts)
