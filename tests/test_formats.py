@@ -476,7 +476,7 @@ def test_a_leaf_of_one_zstd_chunk_is_decoded_into_place_and_a_sharded_one_by_ten
   assert opened == ['one'], opened
 
 
-@pytest.mark.parametrize('layout', ['one_device', 'mesh'])
+@pytest.mark.parametrize('layout', ['one_device', 'mesh', 'mesh2d'])
 def test_a_shard_filled_in_place_decodes_its_one_chunk_once(tmp_path, monkeypatch, layout):
   """On devices that copy (GPUs), a shard of a stock checkpoint (one zstd
   chunk) too big for the budget is filled in place, piece by piece, from one
@@ -491,9 +491,13 @@ def test_a_shard_filled_in_place_decodes_its_one_chunk_once(tmp_path, monkeypatc
   rows = 4099  # prime
   if layout == 'one_device':
     sharding, shape = jax.sharding.SingleDeviceSharding(jax.devices()[0]), (rows, 2048)
-  else:  # every shard in one SPMD program (`_update_every_shard`)
+  elif layout == 'mesh':  # every shard in one SPMD program (`_update_every_shard`)
     sharding = NamedSharding(Mesh(np.array(jax.devices()[:2]), ('x',)), P('x'))
     shape = (2 * rows, 2048)
+  else:  # 2 x 2 shards of prime rows and columns
+    sharding = NamedSharding(Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ('a', 'b')),
+                             P('a', 'b'))
+    shape = (2 * rows, 2 * 1031)
   value = np.random.default_rng(11).standard_normal(shape).astype(np.float32)
   with ocp.StandardCheckpointer() as c:
     c.save(tmp_path / 'c', {'w': jax.device_put(value, sharding)})
@@ -515,7 +519,7 @@ def test_a_shard_filled_in_place_decodes_its_one_chunk_once(tmp_path, monkeypatc
   assert np.asarray(back['w']).tobytes() == value.tobytes()
   assert plans and all(p.partial for p in plans), plans
   assert all(len(list(p.tiles())) > 2 for p in plans), plans  # in several pieces
-  assert len(decoders) == (1 if layout == 'one_device' else 2), decoders  # one a shard
+  assert len(decoders) == {'one_device': 1, 'mesh': 2, 'mesh2d': 4}[layout], decoders
 
 
 def test_a_device_that_copies_a_host_shard_it_was_to_keep_stops_sharing(
