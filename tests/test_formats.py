@@ -24,6 +24,7 @@ written to build/format_budget_table.md.
 
 from __future__ import annotations
 
+import math
 import pathlib
 import re
 
@@ -520,6 +521,38 @@ def test_a_shard_filled_in_place_decodes_its_one_chunk_once(tmp_path, monkeypatc
   assert plans and all(p.partial for p in plans), plans
   assert all(len(list(p.tiles())) > 2 for p in plans), plans  # in several pieces
   assert len(decoders) == {'one_device': 1, 'mesh': 2, 'mesh2d': 4}[layout], decoders
+
+
+def test_a_shard_filled_in_place_reads_each_of_its_chunks_once(tmp_path, monkeypatch):
+  """kd_ckpt's own chunks (raw) of up to a piece are read by TensorStore,
+  which decodes whole chunks: a shard filled in place on devices that copy
+  is tiled in whole chunks, each read once.  Tiles of half a piece read each
+  chunk whole twice (and the last, moved back, a third time)."""
+  from kd_ckpt import reading  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(reading, 'SHARE_HOST_BUFFERS', False)
+  monkeypatch.setattr(reading, 'MAX_LEAF_PARTS', 1)
+  startup.start_compiler()
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  value = np.random.default_rng(3).standard_normal((4099, 2048)).astype(np.float32)
+  kd_ckpt.save(tmp_path / 'c', {'w': jax.device_put(value, one)}, strategy='streaming',
+               host_ram_budget='64MiB')
+  reads, sources = [], []
+  real_read, real_fill = reading._read_host, reading._fill_in_place
+  monkeypatch.setattr(reading, '_read_host', lambda *a, **k: reads.append(1) or real_read(*a, **k))
+
+  def watched_fill(src, *a, **k):
+    sources.append((src.chunk, src.chunk_bytes, src.ctx.piece_bytes, src.stored))
+    return real_fill(src, *a, **k)
+
+  monkeypatch.setattr(reading, '_fill_in_place', watched_fill)
+  back = kd_ckpt.restore(tmp_path / 'c', {'w': jax.ShapeDtypeStruct(
+      value.shape, value.dtype, sharding=one)}, host_ram_budget='48MiB')
+  assert np.asarray(back['w']).tobytes() == value.tobytes()
+  (chunk, chunk_bytes, piece_bytes, stored), = sources
+  # The case: TensorStore's chunks, each more than half a piece.
+  assert stored is None and piece_bytes // 2 < chunk_bytes <= piece_bytes, sources
+  chunks = math.prod(-(-n // c) for n, c in zip(value.shape, chunk))
+  assert len(reads) == chunks, (len(reads), chunks)
 
 
 def test_a_device_that_copies_a_host_shard_it_was_to_keep_stops_sharing(
