@@ -414,13 +414,15 @@ def _partial_tiles(shard, piece, chunk, streamed: bool, whole_chunks: bool = Fal
   chunk again from its start.  TensorStore reads whole chunks
   (`whole_chunks`: those of up to a piece): the overlap reads the chunk it
   falls in again.  Bigger raw chunks are read in byte ranges: there the
-  overlap costs only itself, and one program is kept.  `bench/restore_stock.py --leaves 24` on devices that
-  copy (KD_CKPT_SHARE_HOST_BUFFERS=0) at 256 MiB: leaves of 10,922 and
-  10,923 rows (no divisor near the piece's 2,860, `slicing.even_tile`) in
-  four pieces decoded 1,843 MiB for 1,024 and took 1.8-2.0 s, against
-  0.9-1.2 s at 1 GiB, where each leaf is read whole.  A shorter last piece
-  costs one more update program; it is paid only where the overlap would
-  be decoded again.
+  overlap costs only itself, and one program is kept.
+
+  `bench/restore_stock.py --leaves 24` on devices that copy
+  (KD_CKPT_SHARE_HOST_BUFFERS=0) at 256 MiB: leaves of 10,922 and 10,923
+  rows (no divisor near the piece's 2,860, `slicing.even_tile`) in four
+  pieces decoded 1,843 MiB for 1,024 and took 2.11-2.20 s; cut short,
+  1,024 MiB in 1.46-1.65 s (Orbax: 1.57-1.62 s).  A shorter last piece
+  costs one more update program (`cost.PROGRAM_BYTES`, admitted with the
+  others).
   """
   return any(int(n) % int(t) and (whole_chunks or (streamed and int(c) > int(t)))
              for n, t, c in zip(shard, piece, chunk))
@@ -466,7 +468,6 @@ def _placement(shape, dtype, itemsize, chunk, sharding, piece_bytes, streamed: b
   # to chunkread, which reads byte ranges): a tile holding part of one
   # reads it whole.
   whole_chunks = math.prod(chunk) * itemsize <= piece_bytes
-  full_piece = piece_bytes
   # Tiles of half a piece: two reads fit in flight, one ahead of the
   # placement of the other (`readahead`).
   piece_bytes = max(piece_bytes // 2, itemsize)
@@ -489,8 +490,9 @@ def _placement(shape, dtype, itemsize, chunk, sharding, piece_bytes, streamed: b
       # A whole chunk a tile where one fits a piece, rather than half a
       # chunk a tile, each reading the chunk whole: kd_ckpt's own 1 GiB in
       # 24 leaves (chunks of 21.3 MiB, pieces of 22 MiB) restored on devices
-      # that copy at 256 MiB took 1.38-1.53 s, 1.3-1.5x Orbax's time, its
-      # reads 1.45 s of it against 0.76 s at 1 GiB (whole shards).
+      # that copy at 256 MiB read 96 times in 1.45 s, now 48 in 0.89 s.
+      # A task then holds up to a piece (`cost.restore_piece_bytes` sizes
+      # pieces for that); fewer run ahead of the placement.
       tile_bytes = max(tile_bytes, math.prod(min(c, n) for c, n in zip(chunk, e)) * itemsize)
     return slicing.even_tile(e, slicing.tile_shape(e, chunk, itemsize, tile_bytes), chunk)
 
