@@ -372,6 +372,30 @@ def test_big_shards_are_filled_in_place_with_one_update_program(
   assert update._cache_size() == programs + 1  # pylint: disable=protected-access
 
 
+def test_short_last_pieces_give_way_where_their_programs_do_not_fit():
+  """A shard of one zstd chunk and prime rows, filled in place, cuts its last
+  piece short (one more update program); where that program does not fit
+  beside the smallest pieces, the last piece moves back as before (two
+  programs), and only where those do not fit either is the restore refused."""
+  from kd_ckpt import cost, limiter, reading  # pylint: disable=g-import-not-at-top
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  shape = (4093, 2056)  # prime rows; a shape no other test restores
+  leaf = (shape, np.dtype(np.float32), 4, shape, one, True)  # one zstd chunk
+
+  def ctx(capacity):
+    return reading.ReadContext(limiter.HostLimiter(capacity), capacity,
+                               cost.restore_piece_bytes(capacity))
+
+  read, new = reading._admit_programs(ctx(64 * MiB), [leaf])  # pylint: disable=protected-access
+  assert read.partial_tiles and len(new) == 3, new
+  read, new = reading._admit_programs(  # pylint: disable=protected-access
+      ctx(cost.MIN_PIECES_BYTES + cost.programs_charge(2) + MiB // 2), [leaf])
+  assert not read.partial_tiles and len(new) == 2, new
+  with pytest.raises(kd_ckpt.BudgetTooSmallError, match='2 programs that XLA keeps'):
+    reading._admit_programs(  # pylint: disable=protected-access
+        ctx(cost.MIN_PIECES_BYTES + cost.programs_charge(2) - MiB // 2), [leaf])
+
+
 def test_restore_refuses_before_reading_when_its_programs_do_not_fit(tmp_path, monkeypatch):
   """The programs that fill big shards in place are admitted like buffers:
   where they and the smallest pieces do not fit, the restore names them."""
