@@ -110,6 +110,20 @@ def fingerprint(jax, tree):
   return [[float(v) for v in leaf] for leaf in jax.tree.leaves(out)]
 
 
+def host_resident_bytes(jax, tree) -> int:
+  """Bytes of `tree`'s arrays in host RAM: only on the CPU backend (shared buffers once)."""
+  if jax.default_backend() != 'cpu':
+    return 0
+  return int(sum({s.data.unsafe_buffer_pointer(): s.data.nbytes
+                  for x in jax.tree.leaves(tree) for s in x.addressable_shards}.values()))
+
+
+def same_values(fp_before, fp_after) -> bool:
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  return len(fp_before) == len(fp_after) and all(
+      np.allclose(a, b, rtol=1e-5) for a, b in zip(fp_before, fp_after))
+
+
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
   import gc  # pylint: disable=g-import-not-at-top
 
@@ -209,14 +223,8 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
       jax.block_until_ready(restored)
       row['restore_seconds'] = time.perf_counter() - t0
     row['restore_extra_bytes'] = p.extra_bytes
-    # Restored arrays live in host RAM only on the CPU backend.
-    row['restored_bytes'] = (
-        int(sum({s.data.unsafe_buffer_pointer(): s.data.nbytes  # shared buffers once
-                 for x in jax.tree.leaves(restored) for s in x.addressable_shards}.values()))
-        if jax.default_backend() == 'cpu' else 0)
-    fp_after = fingerprint(jax, restored)
-    ok = len(fp_before) == len(fp_after) and all(
-        np.allclose(a, b, rtol=1e-5) for a, b in zip(fp_before, fp_after))
+    row['restored_bytes'] = host_resident_bytes(jax, restored)
+    ok = same_values(fp_before, fingerprint(jax, restored))
     row['restore_ok'] = ok
     if not ok:
       notes.append('RESTORED DATA DIFFERS')
@@ -238,7 +246,6 @@ def stock_restores(jax, root: str, target, budgets, fp_before,
   import gc  # pylint: disable=g-import-not-at-top
 
   import kd_ckpt  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
 
   def item(step):  # the manager's item directory (`default` for an unnamed handler)
     d = os.path.join(root, str(step))
@@ -258,13 +265,8 @@ def stock_restores(jax, root: str, target, budgets, fp_before,
             kd_ckpt.restore(item(1), target, host_ram_budget=budget))
         res['seconds'] = time.perf_counter() - t0
       res['extra_bytes'] = p.extra_bytes
-      res['restored_bytes'] = (
-          int(sum({s.data.unsafe_buffer_pointer(): s.data.nbytes
-                   for x in jax.tree.leaves(restored) for s in x.addressable_shards}.values()))
-          if jax.default_backend() == 'cpu' else 0)
-      fp_after = fingerprint(jax, restored)
-      res['ok'] = len(fp_before) == len(fp_after) and all(
-          np.allclose(a, b, rtol=1e-5) for a, b in zip(fp_before, fp_after))
+      res['restored_bytes'] = host_resident_bytes(jax, restored)
+      res['ok'] = same_values(fp_before, fingerprint(jax, restored))
       del restored
     except Exception as e:  # pylint: disable=broad-except
       res['error'] = f'{type(e).__name__}: {str(e)[:300]}'
