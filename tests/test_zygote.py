@@ -21,8 +21,10 @@ def test_a_forked_worker_measures_what_a_fresh_one_does(tmp_path, monkeypatch):
   """A fork maps none of the zygote's resident file pages: unmapped, a
   forked save counted ~7 MiB of library pages as its own (30 MiB against a
   fresh process's 23 here).  The worker maps them again before it runs."""
-  forked = statistics.median(_save_peak(tmp_path, monkeypatch, '0', i) for i in range(3))
-  fresh = statistics.median(_save_peak(tmp_path, monkeypatch, '1', i) for i in range(3))
+  # Medians of 5: of 3, a fresh-clone CI run on a loaded machine saw the
+  # fresh workers 3.2 MiB over the forked ones (21.9 against 25.1 MiB).
+  forked = statistics.median(_save_peak(tmp_path, monkeypatch, '0', i) for i in range(5))
+  fresh = statistics.median(_save_peak(tmp_path, monkeypatch, '1', i) for i in range(5))
   assert abs(forked - fresh) <= 3 * MiB, (forked / MiB, fresh / MiB)
 
 
