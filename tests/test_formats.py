@@ -555,6 +555,39 @@ def test_a_shard_filled_in_place_reads_each_of_its_chunks_once(tmp_path, monkeyp
   assert len(reads) == chunks, (len(reads), chunks)
 
 
+def test_a_host_shard_on_devices_that_copy_is_decoded_straight_into(tmp_path, monkeypatch):
+  """On devices that copy (GPUs), a shard read whole is assembled in a host
+  buffer its read is charged for.  chunkread decodes its zstd chunk straight
+  into that buffer, as it does into a shared one, rather than into pieces
+  copied there: one copy of the shard less."""
+  from kd_ckpt import limiter, reading  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(reading, 'SHARE_HOST_BUFFERS', False)
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  value = np.random.default_rng(5).standard_normal((1031, 2053)).astype(np.float32)
+  with ocp.StandardCheckpointer() as c:  # one zstd chunk of 8 MiB
+    c.save(tmp_path / 'c', {'w': jax.device_put(value, one)})
+  capacity = 64 * MiB
+  ctx = reading.ReadContext(limiter.HostLimiter(capacity), capacity, 2 * MiB)
+  whole = tuple(slice(0, n) for n in value.shape)
+  with reading.open_stored(tmp_path / 'c', 'w', ctx) as src:
+    # The case: chunkread, in several pieces, into a host buffer of its own.
+    assert src.stored is not None and not src.one_piece(whole)
+    yielded = []
+    real = src.stored.read_pieces
+
+    def counted(*a, **k):
+      for piece in real(*a, **k):
+        yielded.append(piece[1].nbytes)
+        yield piece
+
+    monkeypatch.setattr(src.stored, 'read_pieces', counted)
+    charge = reading._read_task_charge(src, whole, whole, value.dtype, 1)  # pylint: disable=protected-access
+    ctx.limiter.acquire(charge)
+    host = reading._read_host(src, whole, whole, value.dtype, None)  # pylint: disable=protected-access
+  assert host.tobytes() == value.tobytes()
+  assert yielded == [], f'{len(yielded)} pieces copied into the host buffer'
+
+
 def test_a_device_that_copies_a_host_shard_it_was_to_keep_stops_sharing(
     tmp_path, monkeypatch, caplog):
   """If the CPU backend copies an aligned host shard after all (the probe was
