@@ -569,6 +569,11 @@ def fill_array(src: Source, shape, dtype, sharding, *, strict: bool, name: str,
       continue
     shard_shape = tuple(b - a for a, b in key)
     with _HostShard(shard_shape, dtype, devices, key, memory_kind, layout, src.ctx) as placer:
+      # Pieces that land in the staging buffer: chunkread decodes them there.
+      # A stock 128 MiB leaf in 8 shards on devices that copy, at 96 MiB (4
+      # alternating fresh processes, 3 restores each): median 0.21 s, against
+      # 0.30 s through pieces copied in.
+      direct = src.stored is not None and src.dtype == dtype and not placer.whole_piece
       if math.prod(shard_shape):
         grid = slicing.chunk_shape(shard_shape, itemsize, piece)
         for box in slicing.boxes(shard_shape, grid, itemsize, piece):
@@ -577,7 +582,7 @@ def fill_array(src: Source, shape, dtype, sharding, *, strict: bool, name: str,
             continue  # strict=False: beyond the saved array, stays zero.
           with (reserve(slicing.nbytes(inside, src.dtype.itemsize)) if reserve
                 else contextlib.nullcontext()):
-            for sub, data in src.pieces(inside):
+            for sub, data in src.pieces(inside, out=placer.staged(inside) if direct else None):
               placer.place(data, sub)
       shards.update(placer.result())
   arrays = [shards[d] for d in sharding.addressable_devices_indices_map(tuple(shape))]
@@ -1165,6 +1170,14 @@ class _HostShard:
       self.lim.acquire(self.staging)
       self.host = hostmem.zeros_aligned(self.shape, self.dtype)
 
+  def staged(self, box: slicing.Box) -> np.ndarray:
+    """Where the global `box` lands in the staging buffer (admitted now)."""
+    self._stage()
+    return self.host[self._local(box)]
+
+  def _local(self, box: slicing.Box) -> tuple[slice, ...]:
+    return tuple(slice(s.start - a, s.stop - a) for s, (a, _) in zip(box, self.key))
+
   def place(self, data: np.ndarray, sub: slicing.Box) -> None:
     if self.whole_piece and tuple(data.shape) == tuple(self.shape):
       # The piece is already admitted; its cast and its device copy (host
@@ -1176,7 +1189,7 @@ class _HostShard:
         jax.block_until_ready(list(self.direct.values()))
       return
     self._stage()
-    self.host[tuple(slice(s.start - a, s.stop - a) for s, (a, _) in zip(sub, self.key))] = data
+    self.host[self._local(sub)] = data
 
   def result(self) -> dict:
     if self.direct is not None:

@@ -588,6 +588,40 @@ def test_a_host_shard_on_devices_that_copy_is_decoded_straight_into(tmp_path, mo
   assert yielded == [], f'{len(yielded)} pieces copied into the host buffer'
 
 
+def test_a_shard_assembled_on_the_host_is_decoded_into_its_staging_buffer(
+    tmp_path, monkeypatch):
+  """A shard of up to two small pieces is assembled in a host staging buffer
+  (`_HostShard`, on devices that copy): chunkread decodes its zstd chunk
+  straight into that buffer, not into pieces copied there, inside the
+  budget.  8 shards of 4099 x 1031 (prime rows) at 96 MiB."""
+  from kd_ckpt import chunkread, reading  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(reading, 'SHARE_HOST_BUFFERS', False)
+  startup.start_compiler()
+  sharding = NamedSharding(Mesh(np.array(jax.devices()), ('x',)), P('x'))
+  value = np.random.default_rng(7).standard_normal((8 * 4099, 1031)).astype(np.float32)
+  with ocp.StandardCheckpointer() as c:  # a zstd chunk per shard
+    c.save(tmp_path / 'c', {'w': jax.device_put(value, sharding)})
+  calls, yielded = [], []
+  real = chunkread.StoredArray.read_pieces
+
+  def counted(self, box, n, *, out=None):
+    calls.append(out is not None)
+    for piece in real(self, box, n, out=out):
+      yielded.append(piece[1].nbytes)
+      yield piece
+
+  monkeypatch.setattr(chunkread.StoredArray, 'read_pieces', counted)
+  budget = 96 * MiB
+  hostmem.release_free_memory()
+  with hostmem.PeakRss() as peak:
+    back = kd_ckpt.restore(tmp_path / 'c', {'w': jax.ShapeDtypeStruct(
+        value.shape, value.dtype, sharding=sharding)}, host_ram_budget=budget)
+  assert np.asarray(back['w']).tobytes() == value.tobytes()
+  assert calls and all(calls), calls  # the case: every shard staged
+  assert yielded == [], f'{len(yielded)} pieces copied into the staging buffers'
+  assert peak.extra_bytes - value.nbytes <= budget, peak.extra_bytes
+
+
 def test_a_device_that_copies_a_host_shard_it_was_to_keep_stops_sharing(
     tmp_path, monkeypatch, caplog):
   """If the CPU backend copies an aligned host shard after all (the probe was
