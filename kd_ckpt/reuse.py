@@ -426,6 +426,12 @@ def prune(directory) -> None:
   removed, so a checkpoint keeps only the bytes it uses.
   """
   directory = epath.Path(directory)
+  # Links live under a database's own LINK_DIR (`split`): without one, no
+  # walk of every file (0.5 ms of a 10-leaf local save, a listing per
+  # folder on a bucket).
+  if not any((db / LINK_DIR).exists()
+             for db in (directory, *directory.glob('ocdbt.process_*'))):
+    return
   linked = [(rel, p) for rel, p in storage.files(directory) if LINK_DIR in rel.split('/')]
   if not linked:
     return

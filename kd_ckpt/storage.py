@@ -199,7 +199,9 @@ def remove_unfinished(directory) -> list[str]:
     return removed
   if not d.parent.exists():
     return removed
-  for p in d.parent.iterdir():
+  # Matching names only: a workdir may keep hundreds of checkpoints, and an
+  # epath for each (`iterdir`) took 1.4 ms of every save beside 100 of them.
+  for p in d.parent.glob(re.sub(r'([*?[])', r'[\1]', d.name + TMP_MARKER) + '*'):
     if p.name.startswith(d.name + TMP_MARKER):
       try:
         p.rmtree()

@@ -9,6 +9,7 @@ modules that read /proc, /sys or /dev (never a checkpoint).
 """
 
 import ast
+import os
 import pathlib
 
 import pytest
@@ -130,3 +131,19 @@ def test_writeback_refuses_a_bucket():
   from kd_ckpt import writeback  # pylint: disable=g-import-not-at-top
   with pytest.raises(ValueError, match='local'):
     writeback.Writeback('gs://b/ckpt')
+
+
+def test_only_this_targets_unfinished_saves_are_removed(tmp_path):
+  """`<name>.orbax-checkpoint-tmp*` siblings of the target go; other steps'
+  leftovers and finished checkpoints stay, whatever glob characters the
+  name holds (`ckpt[1]` as a pattern would match `ckpt1`)."""
+  target = tmp_path / 'ckpt[1]'
+  mine = [tmp_path / ('ckpt[1]' + storage.TMP_MARKER + s) for s in ('', '-3')]
+  others = [tmp_path / ('ckpt1' + storage.TMP_MARKER + '-3'), tmp_path / 'ckpt[1]_2',
+            tmp_path / ('ckpt[1]_2' + storage.TMP_MARKER), tmp_path / 'ckpt[10]']
+  for p in mine + others:
+    (p / 'd').mkdir(parents=True)
+  removed = storage.remove_unfinished(target)
+  assert sorted(removed) == sorted(os.fspath(p) for p in mine)
+  assert not any(p.exists() for p in mine) and all(p.exists() for p in others)
+  assert storage.remove_unfinished(tmp_path / 'missing' / 'ckpt') == []
