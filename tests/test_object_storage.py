@@ -359,13 +359,16 @@ def test_leaves_from_a_bucket_are_filled_side_by_side(server, bucket, monkeypatc
     assert most[0] == 1, most
 
 
-def test_side_by_side_takes_only_leaves_that_hold_nothing_between_reads():
+def test_side_by_side_takes_only_leaves_that_hold_nothing_between_reads(monkeypatch):
   """`_side_by_side` admits a leaf only if its reads hold nothing between
   tasks and are all batched: not one stored in chunks bigger than a piece
   (chunkread keeps its decoders for the leaf), nor one read under Orbax's
   byte limiter, nor one whose shards do not fit half the room (filled in
-  place), nor one whose shards are read in several boxes."""
+  place), nor one whose shards are read in several boxes.  On devices that
+  share their host shards (the CPU default, whatever
+  KD_CKPT_SHARE_HOST_BUFFERS says)."""
   from kd_ckpt import reading  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(reading, 'SHARE_HOST_BUFFERS', True)
   m1, _ = states.meshes()
   shape, f32 = (2048, 1024), np.dtype('float32')  # 8 MiB, 1 MiB shards on 8 devices
 
