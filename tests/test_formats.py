@@ -555,6 +555,23 @@ def test_a_shard_filled_in_place_reads_each_of_its_chunks_once(tmp_path, monkeyp
   assert len(reads) == chunks, (len(reads), chunks)
 
 
+def _watch_read_pieces(monkeypatch):
+  """(calls, yielded): per chunkread read, whether it was given `out`; the
+  bytes of every piece it yielded (decoded outside `out`, copied after)."""
+  from kd_ckpt import chunkread  # pylint: disable=g-import-not-at-top
+  calls, yielded = [], []
+  real = chunkread.StoredArray.read_pieces
+
+  def watched(self, box, max_piece_bytes, *, out=None):
+    calls.append(out is not None)
+    for piece in real(self, box, max_piece_bytes, out=out):
+      yielded.append(piece[1].nbytes)
+      yield piece
+
+  monkeypatch.setattr(chunkread.StoredArray, 'read_pieces', watched)
+  return calls, yielded
+
+
 def test_a_host_shard_on_devices_that_copy_is_decoded_straight_into(tmp_path, monkeypatch):
   """On devices that copy (GPUs), a shard read whole is assembled in a host
   buffer its read is charged for.  chunkread decodes its zstd chunk straight
@@ -572,15 +589,7 @@ def test_a_host_shard_on_devices_that_copy_is_decoded_straight_into(tmp_path, mo
   with reading.open_stored(tmp_path / 'c', 'w', ctx) as src:
     # The case: chunkread, in several pieces, into a host buffer of its own.
     assert src.stored is not None and not src.one_piece(whole)
-    yielded = []
-    real = src.stored.read_pieces
-
-    def counted(*a, **k):
-      for piece in real(*a, **k):
-        yielded.append(piece[1].nbytes)
-        yield piece
-
-    monkeypatch.setattr(src.stored, 'read_pieces', counted)
+    _, yielded = _watch_read_pieces(monkeypatch)
     charge = reading._read_task_charge(src, whole, whole, value.dtype, 1)  # pylint: disable=protected-access
     ctx.limiter.acquire(charge)
     host = reading._read_host(src, whole, whole, value.dtype, None)  # pylint: disable=protected-access
@@ -594,23 +603,14 @@ def test_a_shard_assembled_on_the_host_is_decoded_into_its_staging_buffer(
   (`_HostShard`, on devices that copy): chunkread decodes its zstd chunk
   straight into that buffer, not into pieces copied there, inside the
   budget.  8 shards of 4099 x 1031 (prime rows) at 96 MiB."""
-  from kd_ckpt import chunkread, reading  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import reading  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(reading, 'SHARE_HOST_BUFFERS', False)
   startup.start_compiler()
   sharding = NamedSharding(Mesh(np.array(jax.devices()), ('x',)), P('x'))
   value = np.random.default_rng(7).standard_normal((8 * 4099, 1031)).astype(np.float32)
   with ocp.StandardCheckpointer() as c:  # a zstd chunk per shard
     c.save(tmp_path / 'c', {'w': jax.device_put(value, sharding)})
-  calls, yielded = [], []
-  real = chunkread.StoredArray.read_pieces
-
-  def counted(self, box, n, *, out=None):
-    calls.append(out is not None)
-    for piece in real(self, box, n, out=out):
-      yielded.append(piece[1].nbytes)
-      yield piece
-
-  monkeypatch.setattr(chunkread.StoredArray, 'read_pieces', counted)
+  calls, yielded = _watch_read_pieces(monkeypatch)
   budget = 96 * MiB
   hostmem.release_free_memory()
   with hostmem.PeakRss() as peak:
