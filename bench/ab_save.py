@@ -18,6 +18,9 @@ kd_ckpt's local saves leave as they write, `kd_ckpt.writeback`):
                   own thread, and slabs of a group's eighth only (a buffer
                   of its own for each bigger slice); the bigger-buffer take
                   of c2af8e8 stays
+  big-slices      slices of up to 32 MiB whatever the state's size, as
+                  before 43b2547 (now: about sqrt(state MiB) MiB,
+                  `cost.save_slice_cap_bytes`)
   auto            `kd_ckpt.save(strategy='auto')` at the same budget
   kd-orbax        `kd_ckpt.save(strategy='orbax')`: Orbax's writer with the
                   settings auto picks where Orbax's worst case fits
@@ -36,6 +39,7 @@ made by patching the writer from here; the product has no switch for them.
   .venv/bin/python bench/ab_save.py --state gemma_gb --reps 3 --out bench/results/ab_save.md
   .venv/bin/python bench/ab_save.py --state gemma_gb --reps 8 --variants now,auto,orbax
   .venv/bin/python bench/ab_save.py --state big --reps 5 --variants now,now@1GiB,auto,auto@1GiB
+  .venv/bin/python bench/ab_save.py --state big --gb 0.134 --reps 15 --variants now,big-slices --no-dd
   .venv/bin/python bench/ab_save.py --state leaves --leaves 1000 --leaf-bytes 4096 --reps 7 --variants now,auto,orbax
 """
 
@@ -56,7 +60,8 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, 'bench'))
 
 import workloads  # pylint: disable=g-import-not-at-top,wrong-import-position
-VARIANTS = ('now', 'prev', 'fsync/commit', 'before', 'all-raw', 'auto', 'kd-orbax', 'orbax')
+VARIANTS = ('now', 'prev', 'fsync/commit', 'before', 'all-raw', 'big-slices', 'auto', 'kd-orbax',
+            'orbax')
 
 
 def _disk(root: str):
@@ -82,6 +87,11 @@ def _patch(variant: str, streaming):
     threshold = arrays.ZSTD_ZERO_LEAVES_FROM_BYTES
     arrays.ZSTD_ZERO_LEAVES_FROM_BYTES = float('inf')
     undo.append(lambda: setattr(arrays, 'ZSTD_ZERO_LEAVES_FROM_BYTES', threshold))
+  if variant == 'big-slices':
+    cost = streaming.cost
+    per_sqrt = cost.SLICE_MIB_PER_SQRT_MIB
+    cost.SLICE_MIB_PER_SQRT_MIB = 1e9  # the cap: MAX_SAVE_SLICE_BYTES
+    undo.append(lambda: setattr(cost, 'SLICE_MIB_PER_SQRT_MIB', per_sqrt))
   if variant == 'prev':
     wb_lib = streaming.writeback_lib
 
@@ -112,10 +122,32 @@ def _patch(variant: str, streaming):
   return lambda: [u() for u in undo]
 
 
+def _dd_rows(rows, root: str, f: str, nbytes: int) -> None:
+  """`dd conv=fsync` of nbytes, then `dd oflag=direct conv=fsync`: one row each."""
+  d0, t = _disk(root), time.perf_counter()
+  subprocess.run(['dd', 'if=/dev/zero', f'of={f}', 'bs=1M', f'count={-(-nbytes // (1 << 20))}',
+                  'conv=fsync'], check=True, capture_output=True)
+  secs, d1 = time.perf_counter() - t, _disk(root)
+  rows['dd'].append((secs, 0.0, d1[2] - d0[2], d1[1] - d0[1], 0.0, os.path.getsize(f), 0))
+  os.remove(f)
+  # The disk without the page cache: kd_ckpt's local saves drop their
+  # pages as they write (`kd_ckpt.writeback`), plain `dd` fills fresh ones.
+  d0, t = _disk(root), time.perf_counter()
+  subprocess.run(['dd', 'if=/dev/zero', f'of={f}', 'bs=4M', f'count={-(-nbytes // (4 << 20))}',
+                  'oflag=direct', 'conv=fsync'], check=True, capture_output=True)
+  secs, d1 = time.perf_counter() - t, _disk(root)
+  rows['dd direct'].append((secs, 0.0, d1[2] - d0[2], d1[1] - d0[1], 0.0, os.path.getsize(f),
+                            0))
+  os.remove(f)
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   workloads.add_one_state_args(ap, reps=3)
   ap.add_argument('--out', default=None, help='also write the table to this file')
+  ap.add_argument('--no-dd', action='store_true',
+                  help='no dd before each rep (its dirty pages and flushes land on'
+                  ' the next save: a small state\'s saves are then mostly that)')
   ap.add_argument('--variants', default=','.join(VARIANTS),
                   help=f'comma-separated, of {VARIANTS} (default: all)')
   args = ap.parse_args(argv)
@@ -155,22 +187,8 @@ def main(argv=None) -> int:
   try:
     kd_ckpt.save(os.path.join(root, 'warm'), {'x': np.ones(4)}, strategy='streaming')
     for rep in range(args.reps):
-      f = os.path.join(root, 'dd.bin')
-      d0, t = _disk(root), time.perf_counter()
-      subprocess.run(['dd', 'if=/dev/zero', f'of={f}', 'bs=1M', f'count={-(-nbytes // (1 << 20))}',
-                      'conv=fsync'], check=True, capture_output=True)
-      secs, d1 = time.perf_counter() - t, _disk(root)
-      rows['dd'].append((secs, 0.0, d1[2] - d0[2], d1[1] - d0[1], 0.0, os.path.getsize(f), 0))
-      os.remove(f)
-      # The disk without the page cache: kd_ckpt's local saves drop their
-      # pages as they write (`kd_ckpt.writeback`), plain `dd` fills fresh ones.
-      d0, t = _disk(root), time.perf_counter()
-      subprocess.run(['dd', 'if=/dev/zero', f'of={f}', 'bs=4M', f'count={-(-nbytes // (4 << 20))}',
-                      'oflag=direct', 'conv=fsync'], check=True, capture_output=True)
-      secs, d1 = time.perf_counter() - t, _disk(root)
-      rows['dd direct'].append((secs, 0.0, d1[2] - d0[2], d1[1] - d0[1], 0.0, os.path.getsize(f),
-                                0))
-      os.remove(f)
+      if not args.no_dd:
+        _dd_rows(rows, root, os.path.join(root, 'dd.bin'), nbytes)
       order = variants if rep % 2 == 0 else variants[::-1]
       for v in order:
         kind, _, budget = v.partition('@')
@@ -195,7 +213,8 @@ def main(argv=None) -> int:
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
         rows[v].append((secs, cpu, d1[2] - d0[2], d1[1] - d0[1], copy_secs['s'],
                         _tree_bytes(path), faults * 4096))
-        print(f'rep {rep} {v}: {secs:.2f} s, dd {rows["dd"][-1][0]:.2f} s', flush=True)
+        print(f'rep {rep} {v}: {secs:.2f} s'
+              + ('' if args.no_dd else f', dd {rows["dd"][-1][0]:.2f} s'), flush=True)
         shutil.rmtree(path)
   finally:
     streaming.to_host = real_to_host
@@ -205,25 +224,29 @@ def main(argv=None) -> int:
   med = lambda v, i: float(np.median([r[i] for r in rows[v]]))
   lines = [
       f'<!-- .venv/bin/python bench/ab_save.py --state {args.state}'
+      + (f' --gb {args.gb:g}' if args.gb else '')
       + (f' --leaves {args.leaves} --leaf-bytes {args.leaf_bytes} --leaf-values {args.leaf_values}'
          if args.state == 'leaves' else '') +
-      f' --budget {args.budget} --reps {args.reps} --variants {",".join(variants)} -->',
+      f' --budget {args.budget} --reps {args.reps} --variants {",".join(variants)}'
+      + (' --no-dd' if args.no_dd else '') + ' -->',
       f'{args.state}: {nbytes / 1e9:.4f} GB, {len(jax.tree.leaves(state))} leaves,'
       f' {len(jax.devices())} devices, streaming at {args.budget}, {os.cpu_count()} cores;'
-      f' medians of {args.reps} alternating reps (each rep: dd, dd direct, then the variants);'
+      f' medians of {args.reps} alternating reps (each rep: '
+      + ('the variants only, no dd' if args.no_dd else 'dd, dd direct, then the variants') + ');'
       f' x dd is against plain `dd conv=fsync`, through the page cache; {thp}.',
       '',
       f'| variant | save s (each rep) | median s | x dd (throughput) | x dd direct |'
       f' x {base} | process CPU s | faulted in MiB | device flushes | write requests |'
       ' to_host s | files MB |',
       '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |']
-  for v in ('dd', 'dd direct') + variants:
+  dd = lambda v, key: '-' if args.no_dd else f'{med(key, 0) / med(v, 0):.2f}'
+  for v in ('dd', 'dd direct') * (not args.no_dd) + variants:
     each = ' / '.join(f'{r[0]:.2f}' for r in rows[v])
     cpu, faults, copy = ('-', '-', '-') if v.startswith('dd') else (
         f'{med(v, 1):.2f}', f'{med(v, 6) / (1 << 20):.0f}', f'{med(v, 4):.2f}')
     lines.append(
-        f'| {v} | {each} | {med(v, 0):.2f} | {med("dd", 0) / med(v, 0):.2f} |'
-        f' {med("dd direct", 0) / med(v, 0):.2f} | {med(v, 0) / med(base, 0):.2f} | {cpu} |'
+        f'| {v} | {each} | {med(v, 0):.2f} | {dd(v, "dd")} |'
+        f' {dd(v, "dd direct")} | {med(v, 0) / med(base, 0):.2f} | {cpu} |'
         f' {faults} | {med(v, 2):.0f} | {med(v, 3):.0f} | {copy} | {med(v, 5) / 1e6:.2f} |')
   text = '\n'.join(lines) + '\n'
   print(text)
