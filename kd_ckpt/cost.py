@@ -289,8 +289,7 @@ def streaming_layout(budget_bytes: int, num_leaves: int = 0,
   groups of no more than that many slices.
 
   The leaves' bookkeeping (`leaves_charge`) comes off the capacity first.
-  `written_bytes` (the state's size, if known; the same on every process,
-  since slices are the zarr chunks they all write): slices of no more than
+  `written_bytes` (what the save writes, if known): slices of no more than
   `save_slice_cap_bytes` of it, so that a small state is not copied into
   fresh buffers only.
   """

@@ -150,10 +150,8 @@ class Streaming:
   name: str = 'streaming'
 
   def predict(self, est, budget_bytes) -> Candidate:
-    # The state's global bytes, not this process's: slices are zarr chunks,
-    # and every process must write the same chunk grid.
     layout = cost.streaming_layout(budget_bytes, est.num_leaves,
-                                   written_bytes=est.global_bytes)
+                                   written_bytes=est.total_bytes(True))
     peak = cost.predict_streaming(est, layout)
     return Candidate(
         name=self.name, strategy='streaming', predicted_peak_bytes=peak,
