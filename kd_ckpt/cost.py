@@ -78,15 +78,6 @@ MAX_SLICE_BYTES = 64 * MiB
 # MiB), with 32 MiB slices 5.2-7.1 s; at 256 MiB, 37 MiB slices 7.4-10.8 s,
 # 32 MiB slices 4.9-6.6 s; at 4 GiB, 5.8-7.2 s.
 MAX_SAVE_SLICE_BYTES = 32 * MiB
-# Below that, a save of S MiB takes slices of about sqrt(S) MiB: its fresh
-# buffers (~5 slices in flight before the first is reused) cost ~0.5 ms a
-# MiB to fault in, and each slice ~2 ms more in commits, so small states
-# want small slices and big ones big slices.  One f32 leaf at 256 MiB, 4-9
-# alternating saves a size in one process (/tmp script): 128 MiB took 0.16 s
-# (median) with 8-16 MiB slices against 0.19 s with 32 MiB; 512 MiB 0.45 s
-# with 16 MiB against 0.49 s (32) and 0.53 s (8); 1 GiB 0.92 s with 16 or
-# 32 MiB, 1.02 s with 8; 4 GiB 2.82 s with 32 MiB against 3.13 s with 16.
-SLICE_MIB_PER_SQRT_MIB = 1.0
 # What a streaming save keeps in flight, at most, beside its leaves'
 # bookkeeping: the room a 256 MiB budget gives.  More room only let the
 # pipeline fault in more fresh buffers before reusing any (the 4 GB leaf, 3
@@ -283,21 +274,16 @@ class StreamingLayout:
             <= self.capacity_bytes - self.leaves_bytes)
 
 
-def streaming_layout(budget_bytes: int, num_leaves: int = 0,
-                     written_bytes: int | None = None) -> StreamingLayout:
+def streaming_layout(budget_bytes: int, num_leaves: int = 0) -> StreamingLayout:
   """Slices sized so two groups of `TARGET_SLICES_PER_GROUP` fit the capacity;
   groups of no more than that many slices.
 
   The leaves' bookkeeping (`leaves_charge`) comes off the capacity first.
-  `written_bytes` (what the save writes, if known): slices of no more than
-  `save_slice_cap_bytes` of it, so that a small state is not copied into
-  fresh buffers only.
   """
   cap = limiter_capacity(budget_bytes)
   leaves = leaves_charge(num_leaves)
   group = (cap - leaves) / (2 * STAGED_FACTOR)
-  most = MAX_SAVE_SLICE_BYTES if written_bytes is None else save_slice_cap_bytes(written_bytes)
-  slice_bytes = int(min(most, (cap - leaves) / (2 * STAGED_COPY_FACTOR),
+  slice_bytes = int(min(MAX_SAVE_SLICE_BYTES, (cap - leaves) / (2 * STAGED_COPY_FACTOR),
                         group / TARGET_SLICES_PER_GROUP)) // MiB * MiB
   if slice_bytes < MIN_SLICE_BYTES:
     slice_bytes = int(group / TARGET_SLICES_PER_GROUP) // KiB * KiB
@@ -308,17 +294,6 @@ def streaming_layout(budget_bytes: int, num_leaves: int = 0,
   group = min(group, TARGET_SLICES_PER_GROUP * max(slice_bytes, MIN_SLICE_BYTES))
   return StreamingLayout(capacity_bytes=max(0, cap), slice_bytes=max(0, slice_bytes),
                          group_bytes=max(0, int(group)), leaves_bytes=leaves)
-
-
-def save_slice_cap_bytes(written_bytes: int) -> int:
-  """The largest slice a streaming save of `written_bytes` takes (whole MiB).
-
-  About sqrt(written MiB) MiB (`SLICE_MIB_PER_SQRT_MIB`), between
-  `MIN_SLICE_BYTES` and `MAX_SAVE_SLICE_BYTES`: 11 MiB for 128 MiB, 32 MiB
-  from 1 GiB on.
-  """
-  mib = int(SLICE_MIB_PER_SQRT_MIB * math.sqrt(max(int(written_bytes), 0) / MiB))
-  return min(MAX_SAVE_SLICE_BYTES, max(MIN_SLICE_BYTES, mib * MiB))
 
 
 def predict_streaming(est: estimate_lib.TreeEstimate, layout: StreamingLayout) -> int:

@@ -150,8 +150,7 @@ class Streaming:
   name: str = 'streaming'
 
   def predict(self, est, budget_bytes) -> Candidate:
-    layout = cost.streaming_layout(budget_bytes, est.num_leaves,
-                                   written_bytes=est.total_bytes(True))
+    layout = cost.streaming_layout(budget_bytes, est.num_leaves)
     peak = cost.predict_streaming(est, layout)
     return Candidate(
         name=self.name, strategy='streaming', predicted_peak_bytes=peak,

@@ -707,26 +707,6 @@ def test_a_bigger_budget_is_headroom_not_buffers_in_flight(tmp_path, monkeypatch
       tree['w']).tobytes()
 
 
-def test_a_small_state_is_written_in_small_slices_and_a_big_one_in_big(tmp_path):
-  """Slices of about sqrt(state MiB) MiB: a 36 MiB leaf at 256 MiB is
-  written in chunks of at most 6 MiB (its fresh buffers, not all of it, are
-  faulted in), a 4 GiB state (planned only) in 32 MiB slices."""
-  import tensorstore as ts  # pylint: disable=g-import-not-at-top
-  from kd_ckpt import cost  # pylint: disable=g-import-not-at-top
-  tree = {'w': _noise_leaf(jax.numpy, 9 << 20).reshape(2304, 4096)}
-  plan = kd_ckpt.plan_save(tree, host_ram_budget='256MiB', strategy='streaming')
-  assert plan.slice_bytes == 6 * MiB, plan
-  big = {'w': jax.ShapeDtypeStruct((1 << 20, 1024), np.float32)}
-  assert kd_ckpt.plan_save(big, host_ram_budget='256MiB',
-                           strategy='streaming').slice_bytes == cost.MAX_SAVE_SLICE_BYTES
-  kd_ckpt.save(tmp_path / 'c', tree, strategy='streaming', host_ram_budget='256MiB')
-  kv = ts.KvStore.open({'driver': 'ocdbt', 'base': f'file://{tmp_path / "c"}/'}).result()
-  chunks = json.loads(kv.read(b'w/.zarray').result().value)['chunks']
-  assert 1 * MiB <= np.prod(chunks) * 4 <= 6 * MiB, chunks
-  assert np.asarray(kd_ckpt.restore(tmp_path / 'c')['w']).tobytes() == np.asarray(
-      tree['w']).tobytes()
-
-
 def test_a_full_limiter_reuses_a_bigger_pooled_buffer_rather_than_allocate(monkeypatch):
   """When a fresh buffer does not fit, the pipeline takes a bigger one it
   already holds (whose pages are in) rather than free it and fault in a
