@@ -18,9 +18,6 @@ kd_ckpt's local saves leave as they write, `kd_ckpt.writeback`):
                   own thread, and slabs of a group's eighth only (a buffer
                   of its own for each bigger slice); the bigger-buffer take
                   of c2af8e8 stays
-  big-slices      slices of up to 32 MiB whatever the state's size, as
-                  before 43b2547 (now: about sqrt(state MiB) MiB,
-                  `cost.save_slice_cap_bytes`)
   auto            `kd_ckpt.save(strategy='auto')` at the same budget
   kd-orbax        `kd_ckpt.save(strategy='orbax')`: Orbax's writer with the
                   settings auto picks where Orbax's worst case fits
@@ -39,7 +36,7 @@ made by patching the writer from here; the product has no switch for them.
   .venv/bin/python bench/ab_save.py --state gemma_gb --reps 3 --out bench/results/ab_save.md
   .venv/bin/python bench/ab_save.py --state gemma_gb --reps 8 --variants now,auto,orbax
   .venv/bin/python bench/ab_save.py --state big --reps 5 --variants now,now@1GiB,auto,auto@1GiB
-  .venv/bin/python bench/ab_save.py --state big --gb 0.134 --reps 15 --variants now,big-slices --no-dd
+  .venv/bin/python bench/ab_save.py --state big --gb 0.134 --reps 15 --variants now,orbax --no-dd
   .venv/bin/python bench/ab_save.py --state leaves --leaves 1000 --leaf-bytes 4096 --reps 7 --variants now,auto,orbax
 """
 
@@ -60,8 +57,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, 'bench'))
 
 import workloads  # pylint: disable=g-import-not-at-top,wrong-import-position
-VARIANTS = ('now', 'prev', 'fsync/commit', 'before', 'all-raw', 'big-slices', 'auto', 'kd-orbax',
-            'orbax')
+VARIANTS = ('now', 'prev', 'fsync/commit', 'before', 'all-raw', 'auto', 'kd-orbax', 'orbax')
 
 
 def _disk(root: str):
@@ -87,11 +83,6 @@ def _patch(variant: str, streaming):
     threshold = arrays.ZSTD_ZERO_LEAVES_FROM_BYTES
     arrays.ZSTD_ZERO_LEAVES_FROM_BYTES = float('inf')
     undo.append(lambda: setattr(arrays, 'ZSTD_ZERO_LEAVES_FROM_BYTES', threshold))
-  if variant == 'big-slices':
-    cost = streaming.cost
-    per_sqrt = cost.SLICE_MIB_PER_SQRT_MIB
-    cost.SLICE_MIB_PER_SQRT_MIB = 1e9  # the cap: MAX_SAVE_SLICE_BYTES
-    undo.append(lambda: setattr(cost, 'SLICE_MIB_PER_SQRT_MIB', per_sqrt))
   if variant == 'prev':
     wb_lib = streaming.writeback_lib
 

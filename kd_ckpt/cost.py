@@ -78,6 +78,12 @@ MAX_SLICE_BYTES = 64 * MiB
 # MiB), with 32 MiB slices 5.2-7.1 s; at 256 MiB, 37 MiB slices 7.4-10.8 s,
 # 32 MiB slices 4.9-6.6 s; at 4 GiB, 5.8-7.2 s.
 MAX_SAVE_SLICE_BYTES = 32 * MiB
+# Smaller slices for small states (about sqrt(state MiB) MiB, so that a 128
+# MiB leaf reuses most of its buffers) saved that leaf in 0.25 s against
+# 0.28 s, but slices are the chunk grid, and at 22 MiB a 512 MiB leaf of
+# prime extents on a 2-D mesh got 1-column chunks (32191 x 1, against one
+# 64 MiB chunk a shard): 0.86 s against 0.47 s (`mesh2d_prime`; 0.88 against
+# 0.49 `wide_mesh2d`).  Tried and reverted (43b2547, fifteenth session).
 # What a streaming save keeps in flight, at most, beside its leaves'
 # bookkeeping: the room a 256 MiB budget gives.  More room only let the
 # pipeline fault in more fresh buffers before reusing any (the 4 GB leaf, 3
