@@ -699,7 +699,11 @@ def test_speed_smoke(tmp_path):
     assert 0 <= int(done) <= int(steps) == 4, r
   assert stall[0]['x Orbax blocked#5'] == '1.00x'
   for r in scale:
-    assert float(r['kd s/GB#2']) > 0 and float(r['dd s (before, after)#3'].split()[0]) > 0, r
+    # dd of 4 MiB may round to 0.00 s (CI saw "0.00 (0.01, 0.00)"); its ratio,
+    # from the unrounded seconds, is checked finite and positive above.
+    dd = [float(x) for x in r['dd s (before, after)#3'].replace('(', ' ').replace(')', ' ')
+          .replace(',', ' ').split()]
+    assert float(r['kd s/GB#2']) > 0 and len(dd) == 3 and min(dd) >= 0, r
     # Quick rows: a median of several saves on each side, which the notes give.
     assert re.search(r'kd_ckpt: \d+ saves.*Orbax: \d+ saves', r['notes#10']), r
   assert re.search(r'; dd in the same run: [0-9.]+ .*; Orbax default in the same run: ',
