@@ -8,9 +8,7 @@ of those ops add under 1 MiB.  A training process has paid this long before
 its first save.  A process whose first jit is a kd_ckpt save or restore (a
 fresh restore script, an eval job, a CLI) pays it inside that call, and so
 inside its budget: `start_compiler()` pays it up front, before any buffer
-exists, and the call's limiter admits that much less.  A restore calls it
-only where it may compile (`reading._pay_compiler`): leaves read whole and
-placed compile nothing.
+exists, and the call's limiter admits that much less.
 
 The first touch of a `gs://` path is the same kind of cost: etils.epath
 imports gcsfs (aiohttp, google-auth, google-cloud-storage) and TensorStore
