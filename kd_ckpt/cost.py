@@ -119,10 +119,6 @@ CHUNKREAD_STATE_BYTES = 3 * MiB
 # The least the pieces of a restore need: a read and a placement of 64 KiB
 # pieces (`restore_piece_bytes`), plus chunkread's state.
 MIN_PIECES_BYTES = 5 * 64 * KiB + CHUNKREAD_STATE_BYTES
-# XLA's compiler start-up, the first jit of a process (`startup`): 41-54 MiB
-# of RSS measured here.  A restore that may compile holds this much while it
-# starts the compiler, then what it measured (`reading._pay_compiler`).
-COMPILER_START_BYTES = 64 * MiB
 # Each program a restore compiles to fill a big shard on its device (a zeros
 # buffer, an update), which XLA keeps for the life of the process.  Measured
 # (`make calibrate`) 390 KiB each on one device, 491 KiB SPMD over 8 devices;

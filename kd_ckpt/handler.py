@@ -266,14 +266,16 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     budget_spec = budget_lib.parse(getattr(args, 'host_ram_budget', None) or self._budget)
     budget_bytes = budget_lib.resolve(budget_spec, hostmem.probe())
     num_leaves = len([n for n, t in params if t in _STORED_TYPES])
-    # A process whose first jit is this restore pays XLA's start-up inside
-    # it, where a read may compile (`reading._pay_compiler`: only jax.Array
-    # leaves are placed, and those read whole are placed without compiling).
+    # A process whose first jit is this restore pays XLA's start-up first
+    # (placing pieces compiles): the pieces share what is left.
+    # Only jax.Array leaves are placed on devices (programs); a checkpoint of
+    # numpy arrays and scalars restores without compiling.
     arrays = any(t == 'jax.Array' for _, t in params)
-    # A first touch of a bucket is paid first (`kd_ckpt.restore` starts the
-    # clients before it looks for the checkpoint, and says what that took).
+    compiler_bytes = startup.start_compiler() if arrays else 0
+    # Likewise a first touch of a bucket (`kd_ckpt.restore` starts the clients
+    # before it looks for the checkpoint, and says what that took).
     storage_bytes = getattr(args, 'storage_startup_bytes', 0) + startup.start_storage(directory)
-    startup_bytes = storage_bytes
+    startup_bytes = compiler_bytes + storage_bytes
     need = cost.min_restore_budget_bytes(num_leaves) + startup_bytes
     if budget_bytes < need:
       raise plan_lib.BudgetTooSmallError(
@@ -283,13 +285,15 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
           f' {text.format_bytes(cost.FLOOR_BYTES)}, {num_leaves} leaves\' bookkeeping'
           f' ({text.format_bytes(cost.leaves_charge(num_leaves))}) and a few pieces.'
           f' Raise host_ram_budget to at least {text.format_bytes(need)}.'
+          + (f' This restore first paid {text.format_bytes(compiler_bytes)} for XLA\'s'
+             ' compiler start-up (the first jit of this process); a process that'
+             ' has run any jax.jit before does not pay it.' if compiler_bytes else '')
           + (f' It paid {text.format_bytes(storage_bytes)} to start the storage clients'
              ' (the first gs:// access of this process: gcsfs, TensorStore\'s HTTP'
              ' transport); a process that has touched the bucket before does not.'
              if storage_bytes else ''))
     capacity = cost.limiter_capacity(budget_bytes) - startup_bytes
-    read = dataclasses.replace(arrays_lib.read_context_for(capacity, num_leaves),
-                               compiler_pending=arrays)
+    read = arrays_lib.read_context_for(capacity, num_leaves)
     impl = self._pytree_handler(arrays_lib.KdArrayHandler(read=read),
                                 arrays_lib.KdNumpyHandler(read=read))
     restore_args = compat.orbax.construct_restore_args(

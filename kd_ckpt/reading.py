@@ -63,7 +63,6 @@ from kd_ckpt import limiter as limiter_lib
 from kd_ckpt import plan as plan_lib
 from kd_ckpt import readahead
 from kd_ckpt import slicing
-from kd_ckpt import startup
 from kd_ckpt import storage
 from kd_ckpt import text
 
@@ -83,9 +82,6 @@ class ReadContext:
   # Shards filled in place may cut their last piece short (`_partial_tiles`),
   # unless the programs that takes do not fit (`_admit_programs`).
   partial_tiles: bool = True
-  # XLA's compiler may not have started in this process: a read that may
-  # compile starts it first, inside the capacity (`_pay_compiler`).
-  compiler_pending: bool = False
 
   def __post_init__(self):
     if not self.pieces_capacity_bytes:
@@ -1532,8 +1528,6 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
   # whose reads are all batched are filled side by side (`_side_by_side`).
   remote = storage.is_remote(parent)
   lanes = 1 if remote else MAX_READ_LANES
-  store = compat.handler_option(handler, 'array_metadata_store')
-  metadatas = await store.read(checkpoint_dir=parent) if store is not None else None
 
   def fill_all(leaves):
     reserves = [_orbax_reservation(info.byte_limiter, loop, ctx.capacity_bytes)
@@ -1593,8 +1587,7 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
   # leaves' bookkeeping (specs, open TensorStores, results) is admitted first.
   with ctx.limiter.lease(ctx.capacity_bytes, mmap_threshold_bytes=hostmem.read_mmap_threshold(
       remote=storage.is_remote(infos[0].parent_dir), capacity_bytes=ctx.capacity_bytes)):
-    async with ctx.limiter.hold(cost.leaves_charge(len(infos))), \
-        contextlib.AsyncExitStack() as compiler_held:
+    async with ctx.limiter.hold(cost.leaves_charge(len(infos))):
       remote = storage.is_remote(parent)
 
       def whole_ok(i, shape, sharding):
@@ -1605,45 +1598,27 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
       # may not, by Orbax's reader (`small`).  A leaf priced from its restore
       # args alone is not opened here: at 3,000 leaves the opens were a
       # seventh of the restore (py-spy); its batch opens it.
-      async def classify():
-        whole, whole_opened, small = {}, {}, {}
-        for i in range(len(infos)):
-          shape, dtype, sharding = spec_of(i)
-          if whole_ok(i, shape, sharding):
-            if (c := _whole_charge_bound(shape, dtype, sharding)) is not None and c <= ctx.piece_bytes:
-              whole[i] = c
-          elif stock_read is not None and (c := _stock_charge_bound(
-              shape, dtype, sharding, getattr(args[i], 'strict', True))) is not None \
-              and c <= ctx.piece_bytes:
-            small[i] = c
-        opened = [i for i in range(len(infos)) if i not in small and i not in whole]
-        todo = [i for i in opened if i not in opens]
-        if todo:
-          opens.update(zip(todo, await asyncio.to_thread(open_all, todo)))
-        leaves = [opens[i] for i in opened]
-        for i, (info, _, t, _, shape, dtype, sharding, _) in zip(opened, leaves):
-          if whole_ok(i, shape, sharding):
-            if (c := _whole_charge_of(t, shape, dtype, sharding)) <= ctx.piece_bytes:
-              whole[i] = c
-              whole_opened[i] = (info.name, t, shape, dtype, sharding)
-          elif stock_read is not None and (c := _stock_charge(t, shape, dtype, sharding)) <= ctx.piece_bytes:
-            small[i] = c
-        rest = [i for i in range(len(infos)) if i not in small and i not in whole]
-        leaves = [leaf for i, leaf in zip(opened, leaves) if i not in small and i not in whole]
-        return whole, whole_opened, small, rest, leaves
-
-      opens = {}  # index -> its open_all tuple, opened once
-      whole, whole_opened, small, rest, leaves = await classify()
-      # A process's first jit pays XLA's start-up (`startup`), so a read that
-      # may compile starts the compiler before any of its buffers exist, and
-      # reads in what that leaves: leaves filled on their devices (`rest`),
-      # Orbax's reader (`small`), random keys wrapped.  A restore of leaves
-      # read whole and placed (`_read_whole`) compiles nothing and pays
-      # nothing: a 5 MiB checkpoint of 20 leaves restored in a fresh process
-      # at 64 MiB, which the start-up (52 MiB) had refused.
-      if ctx.compiler_pending and (rest or small or _has_random_keys(metadatas, infos)):
-        ctx = await _pay_compiler(ctx, compiler_held)
-        whole, whole_opened, small, rest, leaves = await classify()
+      whole, whole_opened, small = {}, {}, {}
+      for i in range(len(infos)):
+        shape, dtype, sharding = spec_of(i)
+        if whole_ok(i, shape, sharding):
+          if (c := _whole_charge_bound(shape, dtype, sharding)) is not None and c <= ctx.piece_bytes:
+            whole[i] = c
+        elif stock_read is not None and (c := _stock_charge_bound(
+            shape, dtype, sharding, getattr(args[i], 'strict', True))) is not None \
+            and c <= ctx.piece_bytes:
+          small[i] = c
+      opened = [i for i in range(len(infos)) if i not in small and i not in whole]
+      leaves = await asyncio.to_thread(open_all, opened) if opened else []
+      for i, (info, _, t, _, shape, dtype, sharding, _) in zip(opened, leaves):
+        if whole_ok(i, shape, sharding):
+          if (c := _whole_charge_of(t, shape, dtype, sharding)) <= ctx.piece_bytes:
+            whole[i] = c
+            whole_opened[i] = (info.name, t, shape, dtype, sharding)
+        elif stock_read is not None and (c := _stock_charge(t, shape, dtype, sharding)) <= ctx.piece_bytes:
+          small[i] = c
+      rest = [i for i in range(len(infos)) if i not in small and i not in whole]
+      leaves = [leaf for i, leaf in zip(opened, leaves) if i not in small and i not in whole]
 
       async def read_batch(batch):
         async with ctx.limiter.hold(sum(small[i] for i in batch)):
@@ -1693,61 +1668,11 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
     out[i] = arr
   # Random keys are stored as their key data: wrapped again here, for every
   # leaf (`stock_read` reads without the store), with one read of the store.
-  if metadatas:
-    out = compat.orbax.wrap_random_key_data(metadatas, infos, out)
-  return out
-
-
-def _has_random_keys(metadatas, infos) -> bool:
-  """Whether any of `infos` is stored as a random key's data (wrapping compiles)."""
-  if not metadatas:
-    return False
-  names = {info.name for info in infos}
-  try:
-    return any(isinstance(m.ext_metadata, dict) and m.ext_metadata.get(compat.orbax.random_key_impl)
-               for ms in metadatas.values() for m in ms if m.param_name in names)
-  except (AttributeError, TypeError):  # a layout this does not know: assume it may
-    return True
-
-
-async def _pay_compiler(ctx: ReadContext, held: contextlib.AsyncExitStack) -> ReadContext:
-  """Starts XLA's compiler (if this process has not); returns the read's
-  context less what that took, which `held` holds for the rest of the read.
-
-  Called before the read holds any buffer.  The start-up's bound
-  (`cost.COMPILER_START_BYTES`) is held while it runs, so that other reads
-  in the process (numpy leaves, another restore) leave room for it.
-  """
-  reserve = min(cost.COMPILER_START_BYTES, ctx.pieces_capacity_bytes)
-  await ctx.limiter.acquire_async(reserve)
-  try:
-    paid = startup.start_compiler()
-  finally:
-    ctx.limiter.release(reserve)
-  if not paid:
-    return _replaced(ctx, compiler_pending=False)
-  # Held from here on: its RSS stays (jaxlib's code pages, mostly).
-  await held.enter_async_context(ctx.limiter.hold(min(paid, ctx.pieces_capacity_bytes)))
-  pieces = ctx.pieces_capacity_bytes - paid
-  if pieces < cost.MIN_PIECES_BYTES:
-    raise plan_lib.BudgetTooSmallError(
-        f'This restore compiles programs, and this process had not yet: XLA\'s'
-        f' compiler start-up took {text.format_bytes(paid)} of host RAM, which'
-        f' leaves {text.format_bytes(max(pieces, 0))} of the budget for the pieces read,'
-        f' less than the {text.format_bytes(cost.MIN_PIECES_BYTES)} they need. Raise'
-        f' host_ram_budget by at least {text.format_bytes(cost.MIN_PIECES_BYTES - pieces)},'
-        ' or restore in a process that has run a jax.jit before.')
-  return _replaced(ctx, compiler_pending=False, capacity_bytes=ctx.capacity_bytes - paid,
-                   pieces_capacity_bytes=pieces,
-                   piece_bytes=min(ctx.piece_bytes, cost.restore_piece_bytes(pieces)))
-
-
-def _replaced(ctx: ReadContext, **changes) -> ReadContext:
-  """`dataclasses.replace`, keeping the TensorStore context (one OCDBT node
-  cache a restore, and the stores opened in it)."""
-  out = dataclasses.replace(ctx, **changes)
-  if 'ts_context' in ctx.__dict__:
-    out.__dict__['ts_context'] = ctx.ts_context
+  store = compat.handler_option(handler, 'array_metadata_store')
+  if store is not None:
+    metadatas = await store.read(checkpoint_dir=parent)
+    if metadatas:
+      out = compat.orbax.wrap_random_key_data(metadatas, infos, out)
   return out
 
 
