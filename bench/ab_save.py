@@ -224,14 +224,16 @@ def main(argv=None) -> int:
       f' {len(jax.devices())} devices, streaming at {args.budget}, {os.cpu_count()} cores;'
       f' medians of {args.reps} alternating reps (each rep: '
       + ('the variants only, no dd' if args.no_dd else 'dd, dd direct, then the variants') + ');'
-      f' x dd is against plain `dd conv=fsync`, through the page cache; {thp}.',
+      + ('' if args.no_dd else ' x dd is against plain `dd conv=fsync`, through the page cache;')
+      + f' {thp}.',
       '',
       f'| variant | save s (each rep) | median s | x dd (throughput) | x dd direct |'
       f' x {base} | process CPU s | faulted in MiB | device flushes | write requests |'
       ' to_host s | files MB |',
       '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |']
   dd = lambda v, key: '-' if args.no_dd else f'{med(key, 0) / med(v, 0):.2f}'
-  for v in ('dd', 'dd direct') * (not args.no_dd) + variants:
+  dd_rows = () if args.no_dd else ('dd', 'dd direct')
+  for v in dd_rows + variants:
     each = ' / '.join(f'{r[0]:.2f}' for r in rows[v])
     cpu, faults, copy = ('-', '-', '-') if v.startswith('dd') else (
         f'{med(v, 1):.2f}', f'{med(v, 6) / (1 << 20):.0f}', f'{med(v, 4):.2f}')

@@ -274,8 +274,9 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     # Paid lazily instead, only where a read compiles (b6ddee7: a cold restore
     # of 20 small leaves took 0.05 s and 16 MiB against 0.13-0.16 s and 66-69
     # MiB), a CI run of `test_zero_leaves_are_stored_compressed_inside_the_budget`
-    # stalled at 48 MiB: measured amid the read, the start-up's RSS can take
-    # what the read's tasks were sized for.  Reverted; up front it is exact.
+    # stalled at 48 MiB (300 s waiting for 3 MiB), perhaps because the
+    # start-up's RSS, measured amid the read, counted other threads' memory.
+    # Reverted: up front, nothing else of the restore runs while it is measured.
     compiler_bytes = startup.start_compiler() if arrays else 0
     # Likewise a first touch of a bucket (`kd_ckpt.restore` starts the clients
     # before it looks for the checkpoint, and says what that took).
