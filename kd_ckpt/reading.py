@@ -179,6 +179,10 @@ def _zstd_chunks(t: ts.TensorStore) -> bool:
              for c in codec.get('codecs') or ())
 
 
+# chunkread's reads are at least this long (its smallest zstd window).
+_LEAST_READ_BYTES = 64 << 10
+
+
 class Source:
   """One stored array, read in pieces through TensorStore or `chunkread`.
 
@@ -240,11 +244,29 @@ class Source:
     turn) would otherwise decompress each chunk again from its start for
     every piece: time quadratic in the chunk-to-piece ratio.
     """
-    if self.stored is None or not self.stored.compressed or n <= 1 or self.held_bytes:
+    if self.stored is None or not self.stored.compressed or self.held_bytes:
       return
-    if (read := self._read_bytes(n)) is not None:
-      self.read_bytes, self.cursors = read, n
-      self.stored.max_cursors = n
+    # Fewer than one a chunk read in turn restart as often as one does
+    # (least recently used goes first), and leave smaller pieces.
+    n = n if n > 1 and self._read_bytes(n) is not None else 1
+    self.read_bytes, self.cursors = self._read_bytes(n), n
+    self.stored.max_cursors = n
+
+  def decoders_extra_budget(self, n: int) -> int:
+    """How much more host_ram_budget would keep `n` decoders, at least (bytes).
+
+    The least read piece, its state and the decoders, against what the read
+    sets aside: two pieces and CHUNKREAD_STATE_BYTES, pieces being a fifth
+    of the read's room (`cost.restore_piece_bytes`).  (A budget that fits
+    them may still not hold their lanes' tasks beside them: 1 MiB then.)
+    """
+    need = 2 * _LEAST_READ_BYTES + self._state_bytes(n)(_LEAST_READ_BYTES)
+    short = need - (2 * self.ctx.piece_bytes + cost.CHUNKREAD_STATE_BYTES)
+    return 5 * -(-max(short, 0) // 2) or 1 << 20
+
+  def keeps(self, n: int) -> bool:
+    """Whether reading `n` stored chunks in turn restarts no decoder."""
+    return self.stored is None or not self.stored.compressed or self.cursors >= n
 
   def close(self) -> None:
     """Closes the kept decoders and releases what they held."""
@@ -613,7 +635,14 @@ def _fill_in_place(src: Source, shape, plan: _InPlace, groups, reserve,
              for rel in tiles for key in keys
              for g in [slicing.offset(slicing.from_pairs(key), rel, shape)])
   need += sum(len(groups[key]) for key in keys) * piece_nbytes
-  lanes = _lanes(src, keys, shape, MAX_READ_LANES if max_lanes is None else max_lanes, need)
+  lanes = _lanes(src, keys, shape, MAX_READ_LANES if max_lanes is None else max_lanes, need,
+                 interleaved=len(tiles) > 1)
+  try:
+    _check_restarts(src, lanes, len(keys), plan)
+  except BaseException:
+    for lane in lanes[1:]:
+      lane.close()
+    raise
   tasks = []
   for rel in tiles:
     for j, key in enumerate(keys):
@@ -667,6 +696,44 @@ def _fill_in_place(src: Source, shape, plan: _InPlace, groups, reserve,
   # admits them anyway, and they stay uncounted as compiled).
   _COMPILED.update(plan.programs)
   return buf
+
+
+# A lane that keeps fewer decoders than the zstd chunks it reads in turn
+# decodes each chunk again from its start for every piece.  Refused where
+# that is more than MAX_REDECODE times the shards' bytes AND more than
+# MAX_REDECODE_BYTES (zstd decodes ~1 GB/s a core here: ~30 s).  The
+# `many_small` state's big leaf (232 MiB) on devices that copy: at 144 MiB,
+# 41x, it took 10 s where 8 decoders take 0.6 s; at 128 MiB, 3,700x, it had
+# not finished after 10 minutes.  A 61 MiB leaf at 26x takes ~2 s.
+MAX_REDECODE = 8
+MAX_REDECODE_BYTES = 32 << 30
+
+
+def _check_restarts(src: Source, lanes: list[Source], num_shards: int, plan: _InPlace) -> None:
+  """Raises BudgetTooSmallError, naming the budget that keeps the decoders,
+  where reading `num_shards` shards in turn would decode their stored zstd
+  chunks again more than MAX_REDECODE times over."""
+  per_lane = -(-num_shards // len(lanes))
+  if src.keeps(per_lane):
+    return
+  # Pieces in one stored chunk; the k-th restarts and decodes k of them.
+  along = math.prod(-(-min(c, n) // t) for c, n, t in zip(src.chunk, plan.shard, plan.piece))
+  shards_bytes = num_shards * math.prod(plan.shard) * plan.dtype.itemsize
+  if (along + 1) / 2 <= MAX_REDECODE or (along + 1) / 2 * shards_bytes <= MAX_REDECODE_BYTES:
+    return
+  # The budget that has one reader keep a decoder for every shard (several
+  # readers need at least as many decoders, and each its own state).
+  extra = src.decoders_extra_budget(num_shards)
+  raise plan_lib.BudgetTooSmallError(
+      f'Leaf {src.name!r}: this restore fills {num_shards} shards on their devices,'
+      f' piece by piece in turn, from stored zstd chunks that span {along} pieces each.'
+      f' Its {len(lanes)} reader(s) read {per_lane} chunks in turn each, and the budget'
+      f' keeps {src.cursors} decoder(s) a reader'
+      f' ({text.format_bytes(src.stored.cursor_bytes(_LEAST_READ_BYTES))} each), so every piece'
+      f' would decode its chunk again from the start:'
+      f' {text.format_bytes((along + 1) / 2 * shards_bytes)}, minutes to hours.'
+      f' Raise host_ram_budget by at least'
+      f' {text.format_bytes(extra)}.')
 
 
 def _read_task_charge(lane: Source, glob: slicing.Box, inside, dtype, copies: int) -> int:
@@ -776,7 +843,7 @@ def _fill_by_shard(src: Source, shape, dtype, sharding, groups, tasks, reserve,
   keys = list(groups)
   batch_reads = batch_reads and _batchable(src, reserve)
   lanes = _lanes(src, keys, shape, 1 if batch_reads else MAX_READ_LANES if max_lanes is None
-                 else max_lanes, max(t[2] for t in tasks))
+                 else max_lanes, max(t[2] for t in tasks), interleaved=False)
   work = []
   for j, (glob, inside, charge, shared) in enumerate(tasks):
     work.append(_task(j % len(lanes), charge, lanes[j % len(lanes)], glob, inside, dtype,
@@ -835,47 +902,66 @@ MAX_LEAF_PARTS = max(1, min(os.cpu_count() or 1, 8))
 MIN_PART_BYTES = 32 << 20
 
 
-def _lanes(src: Source, keys, shape, max_lanes: int, task_bytes: int) -> list[Source]:
+def _lanes(src: Source, keys, shape, max_lanes: int, task_bytes: int, *,
+           interleaved: bool = True) -> list[Source]:
   """The readers of one leaf's shards: `src` and, where they fit, more.
 
-  Shard j is read by lane j % len(lanes), in tile order.  Lanes beyond the
-  first need their own decoders (chunkread), and must not share a stored
-  chunk (each would decode it from its start).  Their decoders are held
-  until the leaf is read, so a lane is added only if, with them held,
-  `task_bytes` (what the caller holds at once while it waits for a read,
-  with that read) still fits: else that read would wait for bytes nothing
-  releases until the leaf is read (a deadlock the limiter only reports
-  after `STALL_SECS`).
+  Shard j is read by lane j % len(lanes).  `interleaved`: in tile order
+  (every shard's next piece in turn), so a lane keeps a decoder for each of
+  its shards (`Source.keep_decoders`); else shard after shard, one decoder a
+  lane.  Lanes beyond the first need their own decoders (chunkread), and
+  must not share a stored chunk (each would decode it from its start).
+  Decoders are held until the leaf is read, so n lanes are used only if,
+  with all their decoders held, `task_bytes` (what the caller holds at once
+  while it waits for a read, with that read) still fits: else that read
+  would wait for bytes nothing releases until the leaf is read (a deadlock
+  the limiter only reports after `STALL_SECS`).
+
+  The most lanes whose decoders all fit are used, down to `src` alone; only
+  where it cannot keep them either, the most lanes that fit, restarting
+  decoders (`_check_restarts` refuses where that costs too much).  Before,
+  `src` alone kept the planned lanes' share: the `many_small` state's big
+  leaf (8 zstd shards of 29 MiB from stock Orbax) restored at 144 MiB on
+  devices that copy kept 4 decoders for 8 shards, restarted one for every
+  read, and took 10.4 s; with 8 decoders 0.6 s.
   """
-  n = max(1, min(max_lanes, len(keys)))
-  if n > 1 and src.stored is not None and not _disjoint_chunks(src, keys, shape, n):
-    n = 1
-  lanes = [src]
-  per_lane = -(-len(keys) // n)
-  src.keep_decoders(per_lane)
-  src.hold_decoders()
-  for _ in range(1, n):
-    lane = src.lane()
-    lane.keep_decoders(per_lane)
-    if not lane.hold_decoders(wait=False):
-      lane.close()
+  per = lambda n: -(-len(keys) // n) if interleaved else 1
+  plans = [n for n in range(max(1, min(max_lanes, len(keys))), 1, -1)
+           if src.stored is None or _disjoint_chunks(src, keys, shape, n)]
+  for keep_all in (True, False):
+    for n in plans:
+      if (lanes := _open_lanes(src, n, per(n), task_bytes, keep_all)) is not None:
+        return lanes
+    src.keep_decoders(per(1))
+    if not keep_all or src.keeps(per(1)):
       break
+  src.hold_decoders()
+  return [src]
+
+
+def _open_lanes(src: Source, n: int, per_lane: int, task_bytes: int,
+                keep_all: bool) -> list[Source] | None:
+  """`src` and n - 1 more lanes holding `per_lane` decoders each where they
+  fit (`keep_all`: else None), if a task of `task_bytes` still fits beside
+  them all; else None, with nothing held (`src` stays open)."""
+  lanes = [src]
+  src.keep_decoders(per_lane)
+  fits = (src.keeps(per_lane) or not keep_all) and src.hold_decoders(wait=False)
+  while fits and len(lanes) < n:
+    lanes.append(src.lane())
+    lanes[-1].keep_decoders(per_lane)
+    fits = (lanes[-1].keeps(per_lane) or not keep_all) and lanes[-1].hold_decoders(wait=False)
+  if fits:
     try:
       fits = src.ctx.limiter.try_acquire(task_bytes)  # a task still fits beside them?
     except limiter_lib.RequestTooLargeError:
-      fits = False  # more than the whole capacity: one lane, as before lanes were sized
-    if not fits:
-      lane.close()
-      break
-    src.ctx.limiter.release(task_bytes)
-    lanes.append(lane)
-  if len(lanes) not in (1, n) and src.stored is not None:
-    # Fewer lanes than planned share chunks differently: check again.
-    if not _disjoint_chunks(src, keys, shape, len(lanes)):
-      for lane in lanes[1:]:
-        lane.close()
-      lanes = [src]
-  return lanes
+      fits = False  # more than the whole capacity
+    if fits:
+      src.ctx.limiter.release(task_bytes)
+      return lanes
+  for lane in lanes:
+    lane.close()  # releases what it held
+  return None
 
 
 def _side_by_side(t: ts.TensorStore, ctx: ReadContext, shape, dtype, sharding, reserve) -> bool:

@@ -523,6 +523,92 @@ def test_a_shard_filled_in_place_decodes_its_one_chunk_once(tmp_path, monkeypatc
   assert len(decoders) == {'one_device': 1, 'mesh': 2, 'mesh2d': 4}[layout], decoders
 
 
+def _stock_mesh_leaf(tmp_path, devices: int, rows: int, cols: int = 2048):
+  """A stock checkpoint of one f32 leaf over `devices` (one zstd chunk a shard)."""
+  sharding = NamedSharding(Mesh(np.array(jax.devices()[:devices]), ('x',)), P('x'))
+  value = np.random.default_rng(12).standard_normal((devices * rows, cols)).astype(np.float32)
+  with ocp.StandardCheckpointer() as c:
+    c.save(tmp_path / 'c', {'w': jax.device_put(value, sharding)})
+  return value, {'w': jax.ShapeDtypeStruct(value.shape, np.float32, sharding=sharding)}
+
+
+def _count_decoders(monkeypatch) -> list:
+  from kd_ckpt import chunkread  # pylint: disable=g-import-not-at-top
+  decoders, real = [], chunkread._Cursor.__init__
+
+  def counted(self, *a, **k):
+    decoders.append(1)
+    real(self, *a, **k)
+
+  monkeypatch.setattr(chunkread._Cursor, '__init__', counted)
+  return decoders
+
+
+def test_one_lane_keeps_a_decoder_for_each_shard_it_reads_in_turn(tmp_path, monkeypatch):
+  """8 shards filled in place piece by piece, in turn, planned on 2 lanes
+  (4 decoders each) where the second lane's decoders do not fit: the first
+  lane then reads all 8, and keeps 8 decoders.  It kept 4 before: each read
+  restarted a decoder from its chunk's start (the `many_small` state's big
+  leaf at 144 MiB: 10.4 s against 0.6 s)."""
+  from kd_ckpt import reading  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(reading, 'SHARE_HOST_BUFFERS', False)
+  monkeypatch.setattr(reading, 'MAX_LEAF_PARTS', 1)
+  monkeypatch.setattr(reading, 'MAX_READ_LANES', 2)
+  startup.start_compiler()
+  value, target = _stock_mesh_leaf(tmp_path, 8, 2053)
+  real_hold, first, lanes = reading.Source.hold_decoders, [], []
+
+  def hold(self, *, wait=True):
+    first.append(first[0] if first else self)
+    if self is not first[0] and not wait:
+      return False  # another lane's decoders: do not fit
+    return real_hold(self, wait=wait)
+
+  real_lanes = reading._lanes
+  monkeypatch.setattr(reading.Source, 'hold_decoders', hold)
+  monkeypatch.setattr(reading, '_lanes', lambda *a, **k: lanes.append(real_lanes(*a, **k)) or lanes[-1])
+  decoders = _count_decoders(monkeypatch)
+  back = kd_ckpt.restore(tmp_path / 'c', target, host_ram_budget='64MiB')
+  assert np.asarray(back['w']).tobytes() == value.tobytes()
+  (one,), = lanes
+  assert one.cursors == 8, (one.cursors, one.ctx.piece_bytes, one.read_bytes, len(decoders))
+  assert len(decoders) == 8, len(decoders)
+
+
+def test_restarting_decoders_is_refused_where_they_would_decode_a_leaf_many_times(
+    tmp_path, monkeypatch):
+  """Where no lane can keep a decoder for each shard it reads in turn, and
+  its pieces cut each stored zstd chunk into more than 2 * MAX_REDECODE - 1
+  pieces (and the bytes decoded again pass MAX_REDECODE_BYTES: set to 0 for
+  this small leaf), the restore stops with the budget that keeps them:
+  decoding each chunk again from its start for every piece would take
+  minutes to hours (`many_small` at 128 MiB).  With fewer pieces a chunk,
+  it restores."""
+  from kd_ckpt import reading  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(reading, 'SHARE_HOST_BUFFERS', False)
+  monkeypatch.setattr(reading, 'MAX_LEAF_PARTS', 1)
+  monkeypatch.setattr(reading, 'MAX_REDECODE_BYTES', 0)
+  startup.start_compiler()
+  value, target = _stock_mesh_leaf(tmp_path, 4, 4099)
+  real_read_bytes = reading.Source._read_bytes
+  monkeypatch.setattr(reading.Source, '_read_bytes',  # more than one decoder never fits
+                      lambda self, n: real_read_bytes(self, n) if n == 1 else None)
+  plans = []
+  real_fill = reading._fill_in_place
+  monkeypatch.setattr(reading, '_fill_in_place',
+                      lambda src, shape, plan, *a, **k: plans.append(plan) or real_fill(
+                          src, shape, plan, *a, **k))
+  with pytest.raises(kd_ckpt.BudgetTooSmallError,
+                     match=r"Leaf 'w'.*keeps 1 decoder.*Raise host_ram_budget by at least"):
+    kd_ckpt.restore(tmp_path / 'c', target, host_ram_budget='64MiB')
+  assert len(list(plans[-1].tiles())) > 2 * reading.MAX_REDECODE - 1, plans
+  monkeypatch.setattr(reading, 'MAX_REDECODE', len(list(plans[-1].tiles())))
+  decoders = _count_decoders(monkeypatch)
+  back = kd_ckpt.restore(tmp_path / 'c', target, host_ram_budget='64MiB')
+  assert np.asarray(back['w']).tobytes() == value.tobytes()
+  assert len(decoders) > 4 * len(list(plans[-1].tiles())) // 2, len(decoders)  # restarted
+
+
 def test_a_shard_filled_in_place_reads_each_of_its_chunks_once(tmp_path, monkeypatch):
   """kd_ckpt's own chunks (raw) of up to a piece are read by TensorStore,
   which decodes whole chunks: a shard filled in place on devices that copy
