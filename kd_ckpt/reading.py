@@ -237,20 +237,31 @@ class Source:
     return cost.chunkread_piece_bytes(self.ctx.piece_bytes, self._state_bytes(cursors),
                                       self.dtype.itemsize)
 
-  def keep_decoders(self, n: int) -> None:
+  def keep_decoders(self, n: int, *, max_read_bytes: int | None = None,
+                    beyond_envelope: bool = False) -> None:
     """Keeps up to `n` zstd decoders between reads where they fit (else one).
 
     A read that interleaves `n` stored chunks (every shard's next piece in
     turn) would otherwise decompress each chunk again from its start for
-    every piece: time quadratic in the chunk-to-piece ratio.
+    every piece: time quadratic in the chunk-to-piece ratio.  They fit where
+    they and the read's pieces and state stay within what the read set aside
+    (`cost.chunkread_piece_bytes`); `beyond_envelope`: else too, the limiter
+    alone deciding (`hold_decoders`), read in pieces of at most
+    `max_read_bytes` (the reads' boxes: a decoder's window grows with them).
     """
     if self.stored is None or not self.stored.compressed or self.held_bytes:
       return
+    cap = lambda read: read if max_read_bytes is None else max(
+        min(read, max_read_bytes), self.dtype.itemsize)
     # Fewer than one a chunk read in turn restart as often as one does
     # (least recently used goes first), and leave smaller pieces.
-    n = n if n > 1 and self._read_bytes(n) is not None else 1
-    self.read_bytes, self.cursors = self._read_bytes(n), n
-    self.stored.max_cursors = n
+    if n > 1 and (read := self._read_bytes(n)) is not None:
+      self.read_bytes, self.cursors = cap(read), n
+    elif n > 1 and beyond_envelope:
+      self.read_bytes, self.cursors = cap(self._read_bytes(1)), n
+    else:
+      self.read_bytes, self.cursors = cap(self._read_bytes(1)), 1
+    self.stored.max_cursors = self.cursors
 
   def decoders_extra_budget(self, n: int) -> int:
     """How much more host_ram_budget would keep `n` decoders, at least (bytes).
@@ -636,7 +647,8 @@ def _fill_in_place(src: Source, shape, plan: _InPlace, groups, reserve,
              for g in [slicing.offset(slicing.from_pairs(key), rel, shape)])
   need += sum(len(groups[key]) for key in keys) * piece_nbytes
   lanes = _lanes(src, keys, shape, MAX_READ_LANES if max_lanes is None else max_lanes, need,
-                 interleaved=len(tiles) > 1)
+                 interleaved=len(tiles) > 1,
+                 max_read_bytes=slicing.nbytes(tiles[0], max(dtype.itemsize, src.dtype.itemsize)))
   try:
     _check_restarts(src, lanes, len(keys), plan)
   except BaseException:
@@ -701,10 +713,11 @@ def _fill_in_place(src: Source, shape, plan: _InPlace, groups, reserve,
 # A lane that keeps fewer decoders than the zstd chunks it reads in turn
 # decodes each chunk again from its start for every piece.  Refused where
 # that is more than MAX_REDECODE times the shards' bytes AND more than
-# MAX_REDECODE_BYTES (zstd decodes ~1 GB/s a core here: ~30 s).  The
-# `many_small` state's big leaf (232 MiB) on devices that copy: at 144 MiB,
-# 41x, it took 10 s where 8 decoders take 0.6 s; at 128 MiB, 3,700x, it had
-# not finished after 10 minutes.  A 61 MiB leaf at 26x takes ~2 s.
+# MAX_REDECODE_BYTES: a slow restore beats none, an hours-long one does not.
+# The `many_small` state's big leaf (232 MiB, 8 shards) on devices that
+# copy, with one decoder: at 136 MiB, 121x (27 GiB), 36-38 s, where 8
+# decoders (at 140 MiB) take 0.8-1.4 s; at 128 MiB, 3,700x, it had not
+# finished after 10 minutes.  A 61 MiB leaf at 26x takes ~2 s.
 MAX_REDECODE = 8
 MAX_REDECODE_BYTES = 32 << 30
 
@@ -903,7 +916,7 @@ MIN_PART_BYTES = 32 << 20
 
 
 def _lanes(src: Source, keys, shape, max_lanes: int, task_bytes: int, *,
-           interleaved: bool = True) -> list[Source]:
+           interleaved: bool = True, max_read_bytes: int | None = None) -> list[Source]:
   """The readers of one leaf's shards: `src` and, where they fit, more.
 
   Shard j is read by lane j % len(lanes).  `interleaved`: in tile order
@@ -928,28 +941,41 @@ def _lanes(src: Source, keys, shape, max_lanes: int, task_bytes: int, *,
   per = lambda n: -(-len(keys) // n) if interleaved else 1
   plans = [n for n in range(max(1, min(max_lanes, len(keys))), 1, -1)
            if src.stored is None or _disjoint_chunks(src, keys, shape, n)]
-  for keep_all in (True, False):
-    for n in plans:
-      if (lanes := _open_lanes(src, n, per(n), task_bytes, keep_all)) is not None:
-        return lanes
-    src.keep_decoders(per(1))
-    if not keep_all or src.keeps(per(1)):
-      break
+  keep = dict(max_read_bytes=max_read_bytes)
+  for n in plans:
+    if (lanes := _open_lanes(src, n, per(n), task_bytes, True, **keep)) is not None:
+      return lanes
+  src.keep_decoders(per(1), **keep)
+  if src.keeps(per(1)):
+    src.hold_decoders()
+    return [src]
+  # The envelope of `cost.chunkread_piece_bytes` is sized for pieces that
+  # the reads of small boxes leave mostly unused: where the limiter has room
+  # for the decoders beside a task, keep them (the `many_small` state's big
+  # leaf at 136 MiB: 36 s with one decoder; 8 fit).
+  if (lanes := _open_lanes(src, 1, per(1), task_bytes, True, beyond_envelope=True,
+                           **keep)) is not None:
+    return lanes
+  for n in plans:
+    if (lanes := _open_lanes(src, n, per(n), task_bytes, False, **keep)) is not None:
+      return lanes
+  src.keep_decoders(1, **keep)
   src.hold_decoders()
   return [src]
 
 
 def _open_lanes(src: Source, n: int, per_lane: int, task_bytes: int,
-                keep_all: bool) -> list[Source] | None:
+                keep_all: bool, **keep) -> list[Source] | None:
   """`src` and n - 1 more lanes holding `per_lane` decoders each where they
   fit (`keep_all`: else None), if a task of `task_bytes` still fits beside
-  them all; else None, with nothing held (`src` stays open)."""
+  them all; else None, with nothing held (`src` stays open).  `keep`:
+  `Source.keep_decoders`'s options."""
   lanes = [src]
-  src.keep_decoders(per_lane)
+  src.keep_decoders(per_lane, **keep)
   fits = (src.keeps(per_lane) or not keep_all) and src.hold_decoders(wait=False)
   while fits and len(lanes) < n:
     lanes.append(src.lane())
-    lanes[-1].keep_decoders(per_lane)
+    lanes[-1].keep_decoders(per_lane, **keep)
     fits = (lanes[-1].keeps(per_lane) or not keep_all) and lanes[-1].hold_decoders(wait=False)
   if fits:
     try:

@@ -575,6 +575,30 @@ def test_one_lane_keeps_a_decoder_for_each_shard_it_reads_in_turn(tmp_path, monk
   assert len(decoders) == 8, len(decoders)
 
 
+def test_decoders_are_kept_where_the_limiter_has_room_beyond_the_reads_envelope(
+    tmp_path, monkeypatch):
+  """`cost.chunkread_piece_bytes` fits decoders within what a read of whole
+  pieces sets aside; reads of small tiles leave most of it unused.  Where
+  that envelope holds no more than one decoder but the limiter has room for
+  one a shard beside a task, they are kept (`beyond_envelope`): each shard
+  decoded once, bit-exact."""
+  from kd_ckpt import reading  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(reading, 'SHARE_HOST_BUFFERS', False)
+  monkeypatch.setattr(reading, 'MAX_LEAF_PARTS', 1)
+  startup.start_compiler()
+  value, target = _stock_mesh_leaf(tmp_path, 4, 4099)
+  real_read_bytes, lanes = reading.Source._read_bytes, []
+  monkeypatch.setattr(reading.Source, '_read_bytes',  # the envelope: one decoder
+                      lambda self, n: real_read_bytes(self, n) if n == 1 else None)
+  real_lanes = reading._lanes
+  monkeypatch.setattr(reading, '_lanes', lambda *a, **k: lanes.append(real_lanes(*a, **k)) or lanes[-1])
+  decoders = _count_decoders(monkeypatch)
+  back = kd_ckpt.restore(tmp_path / 'c', target, host_ram_budget='64MiB')
+  assert np.asarray(back['w']).tobytes() == value.tobytes()
+  (one,), = lanes
+  assert one.cursors == 4 and len(decoders) == 4, (one.cursors, len(decoders))
+
+
 def test_restarting_decoders_is_refused_where_they_would_decode_a_leaf_many_times(
     tmp_path, monkeypatch):
   """Where no lane can keep a decoder for each shard it reads in turn, and
@@ -590,9 +614,9 @@ def test_restarting_decoders_is_refused_where_they_would_decode_a_leaf_many_time
   monkeypatch.setattr(reading, 'MAX_REDECODE_BYTES', 0)
   startup.start_compiler()
   value, target = _stock_mesh_leaf(tmp_path, 4, 4099)
-  real_read_bytes = reading.Source._read_bytes
-  monkeypatch.setattr(reading.Source, '_read_bytes',  # more than one decoder never fits
-                      lambda self, n: real_read_bytes(self, n) if n == 1 else None)
+  real_keep = reading.Source.keep_decoders
+  monkeypatch.setattr(reading.Source, 'keep_decoders',  # more than one decoder never fits
+                      lambda self, n, **k: real_keep(self, 1, **k))
   plans = []
   real_fill = reading._fill_in_place
   monkeypatch.setattr(reading, '_fill_in_place',
