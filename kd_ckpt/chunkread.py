@@ -309,8 +309,7 @@ class StoredArray:
     """What one decoder kept between calls holds (bytes), at most; 0 if raw.
 
     Its window, the last compressed read it was fed and the reads in flight
-    ahead of it, its context.  Up to
-    `max_cursors` are kept (the least recently used is closed first).
+    ahead of it, its context.  Up to `max_cursors` are kept (`_cursor`).
     """
     if not self.compressed:
       return 0
@@ -325,15 +324,20 @@ class StoredArray:
   def _cursor(self, blob: '_Blob', start: int, window: int) -> '_Cursor':
     """The kept decoder of `blob` if it is at or before `start`, else a new one."""
     key = (blob.key, blob.offset)
-    cur = self._cursors.pop(key, None)
+    cur = self._cursors.get(key)
     if cur is not None and cur.pos > start:
+      del self._cursors[key]
       cur.close()
       cur = None
     if cur is None:
+      # When all are taken, the newest goes: reading k chunks in turn with
+      # c < k kept, the first c - 1 keep theirs and only the others restart
+      # ((k - c + 1) / k of the reads).  Least recently used first, every
+      # read restarted.
       while len(self._cursors) >= max(1, self.max_cursors):
-        self._cursors.popitem(last=False)[1].close()
+        self._cursors.popitem(last=True)[1].close()
       cur = _Cursor(self, blob, window)
-    self._cursors[key] = cur
+      self._cursors[key] = cur
     return cur
 
   def _decoder_window(self) -> int:

@@ -238,30 +238,31 @@ class Source:
                                       self.dtype.itemsize)
 
   def keep_decoders(self, n: int, *, max_read_bytes: int | None = None,
-                    beyond_envelope: bool = False) -> None:
+                    room_bytes: int | None = None) -> None:
     """Keeps up to `n` zstd decoders between reads where they fit (else one).
 
     A read that interleaves `n` stored chunks (every shard's next piece in
     turn) would otherwise decompress each chunk again from its start for
     every piece: time quadratic in the chunk-to-piece ratio.  They fit where
     they and the read's pieces and state stay within what the read set aside
-    (`cost.chunkread_piece_bytes`); `beyond_envelope`: else too, the limiter
-    alone deciding (`hold_decoders`), read in pieces of at most
-    `max_read_bytes` (the reads' boxes: a decoder's window grows with them).
+    (`cost.chunkread_piece_bytes`).  Else, given `room_bytes` (what the
+    limiter has beside the read's tasks), as many as fit in it: with c of n
+    kept, the chunks of n - c + 1 restart (`chunkread.StoredArray._cursor`).
+    Reads are in pieces of at most `max_read_bytes` (the reads' boxes: a
+    decoder's window grows with the piece).
     """
     if self.stored is None or not self.stored.compressed or self.held_bytes:
       return
     cap = lambda read: read if max_read_bytes is None else max(
         min(read, max_read_bytes), self.dtype.itemsize)
-    # Fewer than one a chunk read in turn restart as often as one does
-    # (least recently used goes first), and leave smaller pieces.
     if n > 1 and (read := self._read_bytes(n)) is not None:
-      self.read_bytes, self.cursors = cap(read), n
-    elif n > 1 and beyond_envelope:
-      self.read_bytes, self.cursors = cap(self._read_bytes(1)), n
+      read, kept = cap(read), n
     else:
-      self.read_bytes, self.cursors = cap(self._read_bytes(1)), 1
-    self.stored.max_cursors = self.cursors
+      read, kept = cap(self._read_bytes(1)), 1
+      if n > 1 and room_bytes is not None:
+        kept = max(1, min(n, room_bytes // self.stored.cursor_bytes(read)))
+    self.read_bytes, self.cursors = read, kept
+    self.stored.max_cursors = kept
 
   def decoders_extra_budget(self, n: int) -> int:
     """How much more host_ram_budget would keep `n` decoders, at least (bytes).
@@ -731,8 +732,10 @@ def _check_restarts(src: Source, lanes: list[Source], num_shards: int, plan: _In
     return
   # Pieces in one stored chunk; the k-th restarts and decodes k of them.
   along = math.prod(-(-min(c, n) // t) for c, n, t in zip(src.chunk, plan.shard, plan.piece))
+  restarting = (per_lane - src.cursors + 1) / per_lane  # of the chunks (`keep_decoders`)
+  times = restarting * (along + 1) / 2 + 1 - restarting
   shards_bytes = num_shards * math.prod(plan.shard) * plan.dtype.itemsize
-  if (along + 1) / 2 <= MAX_REDECODE or (along + 1) / 2 * shards_bytes <= MAX_REDECODE_BYTES:
+  if times <= MAX_REDECODE or times * shards_bytes <= MAX_REDECODE_BYTES:
     return
   # The budget that has one reader keep a decoder for every shard (several
   # readers need at least as many decoders, and each its own state).
@@ -742,9 +745,9 @@ def _check_restarts(src: Source, lanes: list[Source], num_shards: int, plan: _In
       f' piece by piece in turn, from stored zstd chunks that span {along} pieces each.'
       f' Its {len(lanes)} reader(s) read {per_lane} chunks in turn each, and the budget'
       f' keeps {src.cursors} decoder(s) a reader'
-      f' ({text.format_bytes(src.stored.cursor_bytes(_LEAST_READ_BYTES))} each), so every piece'
-      f' would decode its chunk again from the start:'
-      f' {text.format_bytes((along + 1) / 2 * shards_bytes)}, minutes to hours.'
+      f' ({text.format_bytes(src.stored.cursor_bytes(_LEAST_READ_BYTES))} each), so'
+      f' {per_lane - src.cursors + 1} of them would decode their chunks again from the'
+      f' start for every piece: {text.format_bytes(times * shards_bytes)}, minutes to hours.'
       f' Raise host_ram_budget by at least'
       f' {text.format_bytes(extra)}.')
 
@@ -950,12 +953,14 @@ def _lanes(src: Source, keys, shape, max_lanes: int, task_bytes: int, *,
     src.hold_decoders()
     return [src]
   # The envelope of `cost.chunkread_piece_bytes` is sized for pieces that
-  # the reads of small boxes leave mostly unused: where the limiter has room
-  # for the decoders beside a task, keep them (the `many_small` state's big
-  # leaf at 136 MiB: 36 s with one decoder; 8 fit).
-  if (lanes := _open_lanes(src, 1, per(1), task_bytes, True, beyond_envelope=True,
-                           **keep)) is not None:
-    return lanes
+  # the reads of small tiles leave mostly unused: as many decoders as the
+  # limiter has room for beside a task (the `many_small` state's big leaf,
+  # 8 shards, at 136 MiB: 36 s with one decoder, 13 s with 7).
+  lim = src.ctx.limiter
+  src.keep_decoders(per(1), room_bytes=(lim.capacity_bytes or 0) - lim.in_use_bytes - task_bytes,
+                    **keep)
+  if src.cursors > 1 and src.hold_decoders(wait=False):
+    return [src]
   for n in plans:
     if (lanes := _open_lanes(src, n, per(n), task_bytes, False, **keep)) is not None:
       return lanes

@@ -1,10 +1,12 @@
 """kd_ckpt.chunkread: bounded reads of any box of a stored chunk, bit-exact."""
 
+import collections
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import jax
 import jax.numpy as jnp
@@ -406,3 +408,33 @@ def test_kept_decoders_decompress_each_zstd_chunk_once(tmp_path):
   assert fetched(in_order, 1) < 1.3 * stored
   assert fetched(interleaved, 2) < 1.3 * stored
   assert fetched(interleaved, 1) > 4 * stored  # one decoder for two chunks restarts
+
+
+def test_fewer_kept_decoders_than_chunks_restart_only_some_chunks():
+  """Reading 3 chunks in turn with 2 decoders kept: the first chunk keeps
+  its decoder and only the other two restart (least recently used first,
+  all three restarted every read, as with one)."""
+  array = chunkread.StoredArray.__new__(chunkread.StoredArray)
+  array._cursors, array.max_cursors = collections.OrderedDict(), 2  # pylint: disable=protected-access
+  made = []
+
+  class Cursor:
+    def __init__(self, _array, blob, _window):
+      self.pos, self.blob = 0, blob
+      made.append(blob.key)
+
+    def close(self):
+      pass
+
+  blobs = [types.SimpleNamespace(key=k, offset=0) for k in 'abc']
+  real = chunkread._Cursor  # pylint: disable=protected-access
+  chunkread._Cursor = Cursor  # pylint: disable=protected-access
+  try:
+    for step in range(10):
+      for blob in blobs:
+        cur = array._cursor(blob, step, 0)  # pylint: disable=protected-access
+        cur.pos = step + 1
+  finally:
+    chunkread._Cursor = real  # pylint: disable=protected-access
+  assert made.count('a') == 1, made
+  assert len(made) == 1 + 2 * 10, made

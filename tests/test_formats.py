@@ -580,7 +580,7 @@ def test_decoders_are_kept_where_the_limiter_has_room_beyond_the_reads_envelope(
   """`cost.chunkread_piece_bytes` fits decoders within what a read of whole
   pieces sets aside; reads of small tiles leave most of it unused.  Where
   that envelope holds no more than one decoder but the limiter has room for
-  one a shard beside a task, they are kept (`beyond_envelope`): each shard
+  one a shard beside a task, they are kept (`room_bytes`): each shard
   decoded once, bit-exact."""
   from kd_ckpt import reading  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(reading, 'SHARE_HOST_BUFFERS', False)
