@@ -933,9 +933,10 @@ def _lanes(src: Source, keys, shape, max_lanes: int, task_bytes: int, *,
   would wait for bytes nothing releases until the leaf is read (a deadlock
   the limiter only reports after `STALL_SECS`).
 
-  The most lanes whose decoders all fit are used, down to `src` alone; only
-  where it cannot keep them either, the most lanes that fit, restarting
-  decoders (`_check_restarts` refuses where that costs too much).  Before,
+  The most lanes whose decoders all fit are used, down to `src` alone; where
+  it cannot keep them either, `src` alone with as many as the limiter has
+  room for (at least 2); else the most lanes that fit, restarting decoders
+  (`_check_restarts` refuses where that costs too much).  Before,
   `src` alone kept the planned lanes' share: the `many_small` state's big
   leaf (8 zstd shards of 29 MiB from stock Orbax) restored at 144 MiB on
   devices that copy kept 4 decoders for 8 shards, restarted one for every
@@ -954,8 +955,9 @@ def _lanes(src: Source, keys, shape, max_lanes: int, task_bytes: int, *,
     return [src]
   # The envelope of `cost.chunkread_piece_bytes` is sized for pieces that
   # the reads of small tiles leave mostly unused: as many decoders as the
-  # limiter has room for beside a task (the `many_small` state's big leaf,
-  # 8 shards, at 136 MiB: 36 s with one decoder, 13 s with 7).
+  # limiter has room for beside a task.  The `many_small` state's big leaf
+  # (8 shards) on devices that copy, one fresh process each: at 139 MiB
+  # 20 s with one decoder, 4.9 s with 7; at 133 MiB 38 s, 26 s with 4.
   lim = src.ctx.limiter
   src.keep_decoders(per(1), room_bytes=(lim.capacity_bytes or 0) - lim.in_use_bytes - task_bytes,
                     **keep)
