@@ -717,8 +717,8 @@ def _fill_in_place(src: Source, shape, plan: _InPlace, groups, reserve,
 # MAX_REDECODE_BYTES: a slow restore beats none, an hours-long one does not.
 # The `many_small` state's big leaf (232 MiB, 8 shards) on devices that
 # copy, with one decoder: at 136 MiB, 121x (27 GiB), 36-38 s, where 8
-# decoders (at 140 MiB) take 0.8-1.4 s; at 128 MiB, 3,700x, it had not
-# finished after 10 minutes.  A 61 MiB leaf at 26x takes ~2 s.
+# decoders (at 137-144 MiB) take 0.8-1.5 s; at 128 MiB, 3,700x, it had not
+# finished after 10 minutes.  (A test leaf of 61 MiB at 26x: 1.6 GB.)
 MAX_REDECODE = 8
 MAX_REDECODE_BYTES = 32 << 30
 
@@ -940,7 +940,7 @@ def _lanes(src: Source, keys, shape, max_lanes: int, task_bytes: int, *,
   `src` alone kept the planned lanes' share: the `many_small` state's big
   leaf (8 zstd shards of 29 MiB from stock Orbax) restored at 144 MiB on
   devices that copy kept 4 decoders for 8 shards, restarted one for every
-  read, and took 10.4 s; with 8 decoders 0.6 s.
+  read, and took 10.4 s; with 8 decoders 0.8 s.
   """
   per = lambda n: -(-len(keys) // n) if interleaved else 1
   plans = [n for n in range(max(1, min(max_lanes, len(keys))), 1, -1)

@@ -549,7 +549,7 @@ def test_one_lane_keeps_a_decoder_for_each_shard_it_reads_in_turn(tmp_path, monk
   (4 decoders each) where the second lane's decoders do not fit: the first
   lane then reads all 8, and keeps 8 decoders.  It kept 4 before: each read
   restarted a decoder from its chunk's start (the `many_small` state's big
-  leaf at 144 MiB: 10.4 s against 0.6 s)."""
+  leaf at 144 MiB: 10.4 s against 0.8 s)."""
   from kd_ckpt import reading  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(reading, 'SHARE_HOST_BUFFERS', False)
   monkeypatch.setattr(reading, 'MAX_LEAF_PARTS', 1)
