@@ -289,6 +289,24 @@ def test_budget_holds_on_gcs(server, bucket, state):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize('state,budget', [('prime', 96 * MiB), ('mesh2d_prime', 128 * MiB)])
+def test_stock_checkpoint_from_gcs_filled_in_place_holds_the_budget(server, bucket, state, budget):
+  """Stock Orbax's one zstd chunk per shard (8 of ~24 MiB), from a bucket, on
+  devices that copy their host shards (GPUs): shards are filled in place,
+  piece by piece, each chunk read in byte ranges through a kept decoder
+  (`chunkread`), every shard's next piece in turn."""
+  d = f'{bucket}/stock'
+  states.run_worker('stock', d, state, str(STATE_BYTES))
+  r = states.run_worker('restore', d, state, str(STATE_BYTES), str(budget),
+                        env=states.COPYING_DEVICES)
+  beyond = r['peak_extra_bytes'] - r['restored_bytes']
+  print(f'gcs stock restore {state} (copying) at {budget / MiB:.0f} MiB:'
+        f' {beyond / MiB:.1f} MiB beyond {r["restored_bytes"] / MiB:.0f} MiB restored')
+  assert r['restored_bytes'] >= STATE_BYTES * 0.9, r
+  assert beyond <= budget + TOLERANCE, r
+
+
+@pytest.mark.slow
 def test_zero_leaves_through_orbax_writer_on_gcs(server, bucket):
   """kd_ckpt's Orbax path stores the zeros state's zero leaves zstd on a bucket:
   its peak (measured from outside) stays under its own prediction, and the
