@@ -59,8 +59,9 @@ def _programs(kind: str, count: int) -> dict:
       sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('x'))
       buf = reading._zeros((8 * (64 + i), 128), np.dtype('float32'), sharding)()  # pylint: disable=protected-access
       pieces = jax.device_put(np.ones((64, 128), np.float32), sharding)
-      buf = reading._update_every_shard(sharding)(buf, pieces, np.array([1, 0], np.int32))  # pylint: disable=protected-access
-      del pieces
+      live = jax.device_put(np.ones((8, 1), bool), sharding)
+      buf = reading._update_every_shard(sharding)(buf, pieces, np.array([1, 0], np.int32), live)  # pylint: disable=protected-access
+      del pieces, live
     buf.block_until_ready()
     del buf
   return {'programs': 2 * count, 'bytes_per_program': (rss() - before) / (2 * count)}

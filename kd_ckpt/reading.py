@@ -136,14 +136,34 @@ def _update(buf, piece, starts):
 
 @functools.cache
 def _update_every_shard(sharding: jax.sharding.NamedSharding):
-  """One SPMD program writing a piece at the same place in every shard."""
+  """One SPMD program writing a piece at the same place in every live shard.
 
-  def body(buf, piece, starts):
-    return jax.lax.dynamic_update_slice(buf, piece, tuple(starts[i] for i in range(buf.ndim)))
+  `live`: one flag a shard (`_live_flags`); a shard whose flag is False
+  keeps what it holds, whatever its piece (a filler).  So the shards can be
+  filled a few at a time (`_fill_in_place`'s passes) with one program.
+  """
+
+  def body(buf, piece, starts, live):
+    at = tuple(starts[i] for i in range(buf.ndim))
+    kept = jax.lax.dynamic_slice(buf, at, piece.shape)
+    return jax.lax.dynamic_update_slice(buf, jax.numpy.where(live.reshape(()), piece, kept), at)
 
   return jax.jit(jax.shard_map(
-      body, mesh=sharding.mesh, in_specs=(sharding.spec, sharding.spec, jax.sharding.PartitionSpec()),
+      body, mesh=sharding.mesh,
+      in_specs=(sharding.spec, sharding.spec, jax.sharding.PartitionSpec(), sharding.spec),
       out_specs=sharding.spec, check_vma=False), donate_argnums=0)
+
+
+def _live_flags(shape, shard, sharding, keys) -> jax.Array:
+  """`_update_every_shard`'s flags: True for the shards whose boxes are `keys`.
+
+  One bool a shard, laid out as the shards are (same sharding, one element
+  each).
+  """
+  flags = np.zeros(tuple(n // s for n, s in zip(shape, shard)), bool)
+  for key in keys:
+    flags[tuple(a // s for (a, _), s in zip(key, shard))] = True
+  return jax.device_put(flags, sharding)
 
 
 def _stored_chunk(t: ts.TensorStore) -> tuple[int, ...]:
@@ -177,10 +197,6 @@ def _zstd_chunks(t: ts.TensorStore) -> bool:
     return codec['compressor'].get('id') == 'zstd'
   return any(isinstance(c, dict) and c.get('name') == 'zstd'
              for c in codec.get('codecs') or ())
-
-
-# chunkread's reads are at least this long (its smallest zstd window).
-_LEAST_READ_BYTES = 64 << 10
 
 
 class Source:
@@ -263,18 +279,6 @@ class Source:
         kept = max(1, min(n, room_bytes // self.stored.cursor_bytes(read)))
     self.read_bytes, self.cursors = read, kept
     self.stored.max_cursors = kept
-
-  def decoders_extra_budget(self, n: int) -> int:
-    """How much more host_ram_budget would keep `n` decoders, at least (bytes).
-
-    The least read piece, its state and the decoders, against what the read
-    sets aside: two pieces and CHUNKREAD_STATE_BYTES, pieces being a fifth
-    of the read's room (`cost.restore_piece_bytes`).  (A budget that fits
-    them may still not hold their lanes' tasks beside them: 1 MiB then.)
-    """
-    need = 2 * _LEAST_READ_BYTES + self._state_bytes(n)(_LEAST_READ_BYTES)
-    short = need - (2 * self.ctx.piece_bytes + cost.CHUNKREAD_STATE_BYTES)
-    return 5 * -(-max(short, 0) // 2) or 1 << 20
 
   def keeps(self, n: int) -> bool:
     """Whether reading `n` stored chunks in turn restarts no decoder."""
@@ -627,10 +631,22 @@ def _fill_in_place(src: Source, shape, plan: _InPlace, groups, reserve,
                    max_lanes: int | None = None) -> jax.Array:
   """`groups`' shards filled on their devices: zeros, then one update per piece.
 
-  Each step reads the same relative box of every shard in `groups` and puts
-  it on the shard's devices.  The reads run ahead in worker threads
-  (`readahead`), each admitted with its host piece and device copies (host
-  RAM on the CPU backend) until the update has run.
+  Each step reads the same relative box of the shards of a pass and puts it
+  on their devices.  The reads run ahead in worker threads (`readahead`),
+  each admitted with its host piece and device copies (host RAM on the CPU
+  backend) until the update has run.
+
+  A pass is as many shards as the lanes keep zstd decoders for: one, all
+  of them, whatever the budget holds.  Read in turn, piece by piece, a
+  stored chunk whose decoder was not kept would be decompressed again from
+  its start for every piece (time quadratic in its pieces); in passes each
+  is decompressed once.  A step's other shards get a filler piece and keep
+  what they hold (`_update_every_shard`'s `live` flags).  The `prime` test
+  state's stock checkpoint (8 chunks of 32 MiB) on devices that copy, at
+  36 MiB, where one lane keeps 5 decoders: 17.4 s and 884 decoders with
+  every shard in turn, 1.5 s and 8 in passes (`bench/fill_passes.py`,
+  bench/results/fill_passes.md); from the GCS emulator at 48 MiB, 114 s
+  and 4.0 s.
   """
   lim, dtype = src.ctx.limiter, plan.dtype
   every = isinstance(plan.sharding, jax.sharding.NamedSharding)
@@ -650,59 +666,88 @@ def _fill_in_place(src: Source, shape, plan: _InPlace, groups, reserve,
   lanes = _lanes(src, keys, shape, MAX_READ_LANES if max_lanes is None else max_lanes, need,
                  interleaved=len(tiles) > 1,
                  max_read_bytes=slicing.nbytes(tiles[0], max(dtype.itemsize, src.dtype.itemsize)))
-  try:
-    _check_restarts(src, lanes, len(keys), plan)
-  except BaseException:
-    for lane in lanes[1:]:
-      lane.close()
-    raise
+  # Shard j is read by lane j % len(lanes) (`_lanes` checked that they share
+  # no stored chunk); a pass gives each lane as many as it keeps decoders for.
+  per_pass = _shards_per_pass(lanes, len(keys)) if len(tiles) > 1 else len(keys)
+  passes = [range(a, min(a + per_pass, len(keys))) for a in range(0, len(keys), per_pass)]
   tasks = []
-  for rel in tiles:
-    for j, key in enumerate(keys):
-      lane = lanes[j % len(lanes)]
-      glob = slicing.offset(slicing.from_pairs(key), rel, shape)
-      inside = _inside(glob, src.shape)
-      charge = _read_task_charge(lane, glob, inside, dtype, len(groups[key]))
-      tasks.append(readahead.Task(j % len(lanes), charge, functools.partial(
-          _read_host, lane, glob, inside, dtype, reserve)))
-  buf = _zeros(plan.shape, dtype, plan.sharding)()
-  buf.block_until_ready()
+  for p, js in enumerate(passes):
+    for t, rel in enumerate(tiles):
+      for j in js:
+        lane = lanes[j % len(lanes)]
+        glob = slicing.offset(slicing.from_pairs(keys[j]), rel, shape)
+        inside = _inside(glob, src.shape)
+        charge = _read_task_charge(lane, glob, inside, dtype, len(groups[keys[j]]))
+        read = functools.partial(_read_host, lane, glob, inside, dtype, reserve)
+        if p and t == 0 and j < js[0] + len(lanes):
+          read = functools.partial(_after_closing_decoders, lane, read)
+        tasks.append(readahead.Task(j % len(lanes), charge, read))
+  # The filler pieces of the shards outside a pass (on their devices), held
+  # for the whole fill: with a pass's own pieces, no more than a step of
+  # every shard holds.
+  filler_bytes = piece_nbytes * max(
+      sum(len(groups[k]) for k in keys) - sum(len(groups[keys[j]]) for j in js)
+      for js in passes)
+  held_fillers = 0
   try:
+    buf = _zeros(plan.shape, dtype, plan.sharding)()
+    buf.block_until_ready()
+    lim.acquire(filler_bytes)
+    held_fillers = filler_bytes
     with readahead.ReadAhead(lim, tasks) as ahead:
       i = 0
-      for rel in tiles:
-        on_devices, held = {}, 0
-        tile_nbytes = slicing.nbytes(rel, dtype.itemsize)  # a short last piece's own
-        try:
-          for key in keys:
-            host, charge = ahead.take(i)
-            i += 1
-            devices = groups[key]
-            try:
-              for d in devices:
-                on_devices[d] = jax.device_put(host, d)
-              jax.block_until_ready([on_devices[d] for d in devices])
-            finally:
-              del host  # the read and host piece go; the device copies stay
-              dev = len(devices) * tile_nbytes
-              lim.release(charge - dev)
-              held += dev
-          pieces = (jax.make_array_from_single_device_arrays(
-              tuple((r.stop - r.start) * (n // e)
-                    for r, n, e in zip(rel, plan.shape, plan.shard)),
-              plan.sharding, [on_devices.pop(d) for d in order])
-                    if every else on_devices.pop(order[0]))
-          buf = update(buf, pieces, np.array([s.start for s in rel], np.int32))
-          buf.block_until_ready()  # the pieces' copies are gone before release
-          del pieces
-        finally:
-          on_devices.clear()
-          lim.release(held)
-        if i % TRIM_EVERY_TASKS < len(keys):
-          # Pieces below the read's mmap threshold are freed into glibc's
-          # arenas (one per thread): give them back as the read goes.
-          hostmem.release_free_memory()
+      for js in passes:
+        live = _live_flags(plan.shape, plan.shard, plan.sharding,
+                           [keys[j] for j in js]) if every else None
+        idle = [d for j, key in enumerate(keys) if j not in js for d in groups[key]]
+        fillers: dict = {}
+        for rel in tiles:
+          on_devices, held = {}, 0
+          tile_nbytes = slicing.nbytes(rel, dtype.itemsize)  # a short last piece's own
+          tile_shape = tuple(r.stop - r.start for r in rel)
+          if idle and (not fillers or next(iter(fillers.values())).shape != tile_shape):
+            fillers.clear()  # a short last piece: fillers of its shape
+            zeros = np.zeros(tile_shape, dtype)  # calloc'd: its pages are never touched
+            fillers = {d: jax.device_put(zeros, d) for d in idle}
+            jax.block_until_ready(list(fillers.values()))
+            del zeros
+          try:
+            for j in js:
+              host, charge = ahead.take(i)
+              i += 1
+              devices = groups[keys[j]]
+              try:
+                for d in devices:
+                  on_devices[d] = jax.device_put(host, d)
+                jax.block_until_ready([on_devices[d] for d in devices])
+              finally:
+                del host  # the read and host piece go; the device copies stay
+                dev = len(devices) * tile_nbytes
+                lim.release(charge - dev)
+                held += dev
+            on_devices.update(fillers)
+            at = np.array([s.start for s in rel], np.int32)
+            if every:
+              pieces = jax.make_array_from_single_device_arrays(
+                  tuple((r.stop - r.start) * (n // e)
+                        for r, n, e in zip(rel, plan.shape, plan.shard)),
+                  plan.sharding, [on_devices.pop(d) for d in order])
+              buf = update(buf, pieces, at, live)
+            else:
+              pieces = on_devices.pop(order[0])
+              buf = update(buf, pieces, at)
+            buf.block_until_ready()  # the pieces' copies are gone before release
+            del pieces
+          finally:
+            on_devices.clear()
+            lim.release(held)
+          if i % TRIM_EVERY_TASKS < len(js):
+            # Pieces below the read's mmap threshold are freed into glibc's
+            # arenas (one per thread): give them back as the read goes.
+            hostmem.release_free_memory()
+        fillers.clear()
   finally:
+    lim.release(held_fillers)
     for lane in lanes[1:]:
       lane.close()
   # Compiled now (a leaf read by shard compiles none: `_admit_programs`
@@ -711,45 +756,20 @@ def _fill_in_place(src: Source, shape, plan: _InPlace, groups, reserve,
   return buf
 
 
-# A lane that keeps fewer decoders than the zstd chunks it reads in turn
-# decodes each chunk again from its start for every piece.  Refused where
-# that is more than MAX_REDECODE times the shards' bytes AND more than
-# MAX_REDECODE_BYTES: a slow restore beats none, an hours-long one does not.
-# The `many_small` state's big leaf (232 MiB, 8 shards) on devices that
-# copy, with one decoder: at 136 MiB, 121x (27 GiB), 36-38 s, where 8
-# decoders (at 137-144 MiB) take 0.8-1.5 s; at 128 MiB, 3,700x, it had not
-# finished after 10 minutes.  (A test leaf of 61 MiB at 26x: 1.6 GB.)
-MAX_REDECODE = 8
-MAX_REDECODE_BYTES = 32 << 30
-
-
-def _check_restarts(src: Source, lanes: list[Source], num_shards: int, plan: _InPlace) -> None:
-  """Raises BudgetTooSmallError, naming the budget that keeps the decoders,
-  where reading `num_shards` shards in turn would decode their stored zstd
-  chunks again more than MAX_REDECODE times over."""
+def _shards_per_pass(lanes: list['Source'], num_shards: int) -> int:
+  """How many shards the lanes read in turn without restarting a decoder."""
   per_lane = -(-num_shards // len(lanes))
-  if src.keeps(per_lane):
-    return
-  # Pieces in one stored chunk; the k-th restarts and decodes k of them.
-  along = math.prod(-(-min(c, n) // t) for c, n, t in zip(src.chunk, plan.shard, plan.piece))
-  restarting = (per_lane - src.cursors + 1) / per_lane  # of the chunks (`keep_decoders`)
-  times = restarting * (along + 1) / 2 + 1 - restarting
-  shards_bytes = num_shards * math.prod(plan.shard) * plan.dtype.itemsize
-  if times <= MAX_REDECODE or times * shards_bytes <= MAX_REDECODE_BYTES:
-    return
-  # The budget that has one reader keep a decoder for every shard (several
-  # readers need at least as many decoders, and each its own state).
-  extra = src.decoders_extra_budget(num_shards)
-  raise plan_lib.BudgetTooSmallError(
-      f'Leaf {src.name!r}: this restore fills {num_shards} shards on their devices,'
-      f' piece by piece in turn, from stored zstd chunks that span {along} pieces each.'
-      f' Its {len(lanes)} reader(s) read {per_lane} chunks in turn each, and the budget'
-      f' keeps {src.cursors} decoder(s) a reader'
-      f' ({text.format_bytes(src.stored.cursor_bytes(_LEAST_READ_BYTES))} each), so'
-      f' {per_lane - src.cursors + 1} of them would decode their chunks again from the'
-      f' start for every piece: {text.format_bytes(times * shards_bytes)}, minutes to hours.'
-      f' Raise host_ram_budget by at least'
-      f' {text.format_bytes(extra)}.')
+  if all(lane.keeps(per_lane) for lane in lanes):
+    return num_shards
+  return len(lanes) * max(1, min(lane.cursors for lane in lanes))
+
+
+def _after_closing_decoders(lane: 'Source', read):
+  """`read()` after `lane` closed the decoders of its last pass's chunks
+  (done: a decoder kept past its chunk's end would crowd out the next)."""
+  if lane.stored is not None:
+    lane.stored.close()
+  return read()
 
 
 def _read_task_charge(lane: Source, glob: slicing.Box, inside, dtype, copies: int) -> int:
@@ -935,8 +955,9 @@ def _lanes(src: Source, keys, shape, max_lanes: int, task_bytes: int, *,
 
   The most lanes whose decoders all fit are used, down to `src` alone; where
   it cannot keep them either, `src` alone with as many as the limiter has
-  room for (at least 2); else the most lanes that fit, restarting decoders
-  (`_check_restarts` refuses where that costs too much).  Before,
+  room for (at least 2); else the most lanes that fit, with fewer decoders
+  than shards (`_fill_in_place` then fills the shards in passes of as many
+  as the lanes keep decoders for).  Before,
   `src` alone kept the planned lanes' share: the `many_small` state's big
   leaf (8 zstd shards of 29 MiB from stock Orbax) restored at 144 MiB on
   devices that copy kept 4 decoders for 8 shards, restarted one for every
