@@ -14,11 +14,13 @@ none restarts), the restore's seconds.
 
   .venv/bin/python bench/fill_passes.py --state many_small --mib 256 \\
       --budgets 129,131,133,136,139,144
+  .venv/bin/python bench/fill_passes.py --state fsdp_dp --budgets 128,256,1024 --warm --gcs
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -89,6 +91,8 @@ def main() -> int:
   ap.add_argument('--mib', type=int, default=256, help='its size')
   ap.add_argument('--budgets', default='129,131,133,136,139,144', help='MiB, comma-separated')
   ap.add_argument('--dir', default=None)
+  ap.add_argument('--gcs', action='store_true',
+                  help='the checkpoint in a bucket on a local fake-gcs-server')
   ap.add_argument('--warm', action='store_true',
                   help='each restore after its process has compiled (not its first jit)')
   ap.add_argument('--worker', nargs=3, metavar=('DIR', 'BUDGET_MIB', 'WARM'), help=argparse.SUPPRESS)
@@ -99,13 +103,21 @@ def main() -> int:
   env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8',
              JAX_PLATFORMS='cpu', KD_CKPT_SHARE_HOST_BUFFERS='0',
              PYTHONPATH=REPO + os.pathsep + os.environ.get('PYTHONPATH', ''))
-  with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+  with tempfile.TemporaryDirectory(dir=args.dir) as tmp, contextlib.ExitStack() as stack:
     d = os.path.join(tmp, 'stock')
+    if args.gcs:
+      sys.path.insert(0, REPO)
+      from tests import gcs_server  # pylint: disable=g-import-not-at-top
+      srv = gcs_server.GcsServer(os.path.join(tmp, 'gcs')).start()
+      stack.callback(srv.stop)
+      srv.create_bucket('kd-fill-passes')
+      env.update(srv.env())
+      d = 'gs://kd-fill-passes/stock'
     subprocess.run([sys.executable, '-m', 'tests.states', 'stock', d, args.state,
                     str(args.mib * MiB)], cwd=REPO, env=env, check=True,
                    stdout=subprocess.DEVNULL)
-    print(f'{args.state} ({args.mib} MiB) saved by stock Orbax, restored by kd_ckpt on 8'
-          ' devices that copy, each budget in a fresh process'
+    print(f'{args.state} ({args.mib} MiB) saved by stock Orbax{" to a GCS emulator" if args.gcs else ""},'
+          ' restored by kd_ckpt on 8 devices that copy, each budget in a fresh process'
           f' ({"compiled before" if args.warm else "its first jit"})\n')
     print('| budget | readers x decoders kept | shards a pass | leaf: pieces, fill s'
           ' | decoders created | restore s |')
@@ -121,7 +133,10 @@ def main() -> int:
       if 'refused' in r:
         print(f'| {b} MiB | refused: {r["refused"][:160]} |||||')
         continue
-      fills = r['fills'] or [{}]
+      if not r['fills']:
+        print(f'| {b} MiB | no shard filled in place |||| {r["secs"]:.2f} |')
+        continue
+      fills = r['fills']
       col = lambda f: '; '.join(f(x) for x in fills)
       print(f'| {b} MiB | {col(lambda x: "x".join(map(str, [x.get("readers", "-"), min(x.get("kept", [0]))])))}'
             f' | {col(lambda x: f"{x.get("per_pass", "-")} of {x.get("shards", "-")}")}'

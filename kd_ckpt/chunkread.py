@@ -330,12 +330,15 @@ class StoredArray:
       cur.close()
       cur = None
     if cur is None:
-      # When all are taken, the newest goes: reading k chunks in turn with
-      # c < k kept, the first c - 1 keep theirs and only the others restart
-      # ((k - c + 1) / k of the reads).  Least recently used first, every
-      # read restarted.
+      # When all are taken, one that has decoded its whole chunk goes (a
+      # reader that moves on from a chunk it read to the end); else the
+      # newest: reading k chunks in turn with c < k kept, the first c - 1
+      # keep theirs and only the others restart ((k - c + 1) / k of the
+      # reads).  Least recently used first, every read restarted.
       while len(self._cursors) >= max(1, self.max_cursors):
-        self._cursors.popitem(last=True)[1].close()
+        done = next((k for k, c in self._cursors.items() if c.pos >= self.chunk_nbytes), None)
+        (self._cursors.pop(done) if done is not None
+         else self._cursors.popitem(last=True)[1]).close()
       cur = _Cursor(self, blob, window)
       self._cursors[key] = cur
     return cur

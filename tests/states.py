@@ -100,6 +100,9 @@ def unseen(name: str, total_bytes: int):
   zeros:        weights beside zero moments (sharded f32, replicated bf16)
                 and a leaf whose first quarter is zero
   many_medium:  64 leaves of 1-6 MiB on four layouts (Gemma-like)
+  fsdp_dp:      one leaf sharded over 'b' and replicated over 'a' (FSDP x data
+                parallel): stock Orbax's replica-parallel save stores each
+                shard as 4 chunks of rows, one a replica
   """
   m1, m2 = meshes()
   if name == 'prime':
@@ -129,6 +132,10 @@ def unseen(name: str, total_bytes: int):
     rest = max(0, total_bytes - 2000 * 127 * 31 * 3)
     tree['big'] = filled((max(8, rest // 4 // 1024 // 8 * 8), 1024), NS(m1, P('x')))
     return tree
+  if name == 'fsdp_dp':
+    cols = 2053  # prime
+    rows = max(8, total_bytes // 4 // cols // 8 * 8)
+    return {'w': filled((rows, cols), NS(m2, P('b')))}
   if name == 'many_medium':
     # Gemma-like: 64 leaves of 1-6 MiB (bf16 and f32), sharded, replicated
     # and on a 2-D mesh, restored one after another (issue 20's gb bench).
@@ -185,7 +192,7 @@ def _prime_below(n: int) -> int:
 UNSEEN = ('prime', 'prime_rep', 'mesh2d_prime', 'edge_chunks', 'many_small', 'mixed_dtypes')
 OTHER = ('wide_mesh2d', 'zeros')
 # Only the restore budget test's (a GCS run of it adds nothing new).
-RESTORE_ONLY = ('many_medium',)
+RESTORE_ONLY = ('many_medium', 'fsdp_dp')
 
 
 def host_made(total_bytes: int):

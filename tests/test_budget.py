@@ -130,7 +130,8 @@ def _check_restore(d, state, saved_by, budget, devices):
     ('mesh2d_prime', 'auto', 'cpu'), ('mesh2d_prime', 'auto', 'copying'),
     ('many_small', 'streaming', 'cpu'),
     ('prime_rep', 'stock', 'cpu'), ('prime_rep', 'stock', 'copying'),
-    ('many_medium', 'streaming', 'cpu'), ('many_medium', 'stock', 'cpu')])
+    ('many_medium', 'streaming', 'cpu'), ('many_medium', 'stock', 'cpu'),
+    ('fsdp_dp', 'stock', 'copying')])
 def test_restore_holds_the_budget(saved, state, saved_by, devices):
   """`devices='copying'`: as on GPUs, which copy the host shards they are
   given (big shards are then filled in place); 'cpu' keeps them."""
@@ -164,7 +165,8 @@ def test_parallel_reads_of_stock_shards_hold_the_budget(saved, state, budget, de
     ('mixed_dtypes', 'stock', 256 * MiB, 'copying'), ('mixed_dtypes', 'stock', 512 * MiB, 'cpu'),
     ('zeros', 'stock', 256 * MiB, 'cpu'), ('zeros', 'streaming', 384 * MiB, 'copying'),
     ('prime_rep', 'stock', 512 * MiB, 'copying'), ('mixed_dtypes', 'stock', 128 * MiB, 'copying'),
-    ('zeros', 'stock', 96 * MiB, 'copying'), ('many_medium', 'stock', 96 * MiB, 'cpu')])
+    ('zeros', 'stock', 96 * MiB, 'copying'), ('many_medium', 'stock', 96 * MiB, 'cpu'),
+    ('fsdp_dp', 'stock', 256 * MiB, 'copying')])
 def test_leaves_read_side_by_side_hold_the_budget(saved, state, saved_by, budget, devices):
   """From a local disk, leaves bigger than a piece are read several at once,
   each in its own part of the budget (`reading._fill_in_parts`, parts of at

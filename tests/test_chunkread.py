@@ -416,6 +416,7 @@ def test_fewer_kept_decoders_than_chunks_restart_only_some_chunks():
   all three restarted every read, as with one)."""
   array = chunkread.StoredArray.__new__(chunkread.StoredArray)
   array._cursors, array.max_cursors = collections.OrderedDict(), 2  # pylint: disable=protected-access
+  array.chunk_nbytes = 1 << 30  # no read reaches a chunk's end
   made = []
 
   class Cursor:
@@ -438,3 +439,35 @@ def test_fewer_kept_decoders_than_chunks_restart_only_some_chunks():
     chunkread._Cursor = real  # pylint: disable=protected-access
   assert made.count('a') == 1, made
   assert len(made) == 1 + 2 * 10, made
+
+
+def test_a_decoder_at_its_chunks_end_is_dropped_before_one_still_reading():
+  """Two readers move on from chunks a0, b0 (read to their ends) to a1, b1,
+  in turn, with 2 decoders kept: the finished ones go, so a1 and b1 are
+  each decoded once.  Dropping the newest instead, a1 and b1 evicted each
+  other at every read."""
+  array = chunkread.StoredArray.__new__(chunkread.StoredArray)
+  array._cursors, array.max_cursors = collections.OrderedDict(), 2  # pylint: disable=protected-access
+  array.chunk_nbytes = 10
+  made = []
+
+  class Cursor:
+    def __init__(self, _array, blob, _window):
+      self.pos = 0
+      made.append(blob.key)
+
+    def close(self):
+      pass
+
+  blob = lambda k: types.SimpleNamespace(key=k, offset=0)
+  real = chunkread._Cursor  # pylint: disable=protected-access
+  chunkread._Cursor = Cursor  # pylint: disable=protected-access
+  try:
+    for k in ('a0', 'b0'):
+      array._cursor(blob(k), 0, 0).pos = 10  # pylint: disable=protected-access
+    for step in range(5):
+      for k in ('a1', 'b1'):
+        array._cursor(blob(k), 2 * step, 0).pos = 2 * step + 2  # pylint: disable=protected-access
+  finally:
+    chunkread._Cursor = real  # pylint: disable=protected-access
+  assert made == ['a0', 'b0', 'a1', 'b1'], made
