@@ -289,11 +289,13 @@ def test_budget_holds_on_gcs(server, bucket, state):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('state,budget', [('prime', 96 * MiB), ('mesh2d_prime', 128 * MiB)])
+@pytest.mark.parametrize('state,budget', [('prime', 96 * MiB), ('mesh2d_prime', 128 * MiB),
+                                          ('fsdp_dp', 128 * MiB)])
 def test_stock_checkpoint_from_gcs_filled_in_place_holds_the_budget(server, bucket, state, budget):
-  """Stock Orbax's one zstd chunk per shard (8 of ~24 MiB), from a bucket, on
-  devices that copy their host shards (GPUs): shards are filled in place,
-  piece by piece, each chunk read in byte ranges through a kept decoder
+  """Stock Orbax's one zstd chunk per shard (8 of ~24 MiB; `fsdp_dp`: 2
+  shards on 4 devices each, a chunk a replica), from a bucket, on devices
+  that copy their host shards (GPUs): shards are filled in place, piece by
+  piece, each chunk read in byte ranges through a kept decoder
   (`chunkread`), every shard's next piece in turn."""
   d = f'{bucket}/stock'
   states.run_worker('stock', d, state, str(STATE_BYTES))
