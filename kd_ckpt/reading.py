@@ -271,7 +271,7 @@ class Source:
     they and the read's pieces and state stay within what the read set aside
     (`cost.chunkread_piece_bytes`).  Else, given `room_bytes` (what the
     limiter has beside the read's tasks), as many as fit in it: with c of n
-    kept, the chunks of n - c + 1 restart (`chunkread.StoredArray._cursor`).
+    kept, `_fill_in_place` reads the shards in passes of c a reader.
     Reads are in pieces of at most `max_read_bytes` (the reads' boxes: a
     decoder's window grows with the piece).
     """
