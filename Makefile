@@ -8,6 +8,7 @@
 #                      ran ~20% slower; 21.7 min at cc3508d and 20.1 min at
 #                      9506c6a on a slower one, run one after the other
 #   make sweep-restores  restores over untuned shapes x budgets; none may stall
+#   make fuzz-budget     saves and restores of drawn states, each measured: the budget must hold
 #   make test-fast     without the slow/integration tests
 #   make test-orbax-lowest   test-fast against the lowest supported
 #                      orbax-checkpoint (ORBAX_LOWEST=0.12.7), venv untouched
@@ -55,7 +56,7 @@ DEMO_DEVICES ?= 8
 DEMO_CFG := configs/gemma_lora.py
 PLAN_ARGS ?=
 
-.PHONY: sweep-restores test test-fast test-orbax-lowest test-orbax-peer test-kauldron-peer test-peers bench-gcs demo bench bench-full calibrate bench-restore-stock bench-speed bench-shapes plan constraints venv clean
+.PHONY: sweep-restores fuzz-budget test test-fast test-orbax-lowest test-orbax-peer test-kauldron-peer test-peers bench-gcs demo bench bench-full calibrate bench-restore-stock bench-speed bench-shapes plan constraints venv clean
 
 venv: $(STAMP)
 
@@ -135,6 +136,9 @@ test-peers: test-kauldron-peer test-orbax-peer
 # none may stall, differ, or fail at a budget above one that worked (~2 min).
 sweep-restores: $(STAMP)
 	$(PY) tools/sweep_restores.py
+
+fuzz-budget: $(STAMP)
+	$(PY) tools/fuzz_budget.py --seeds $${SEEDS:-0-99}
 
 bench: $(STAMP)
 	$(PY) bench/run.py

@@ -220,6 +220,24 @@ def programs_charge(num_programs: int) -> int:
   return int(num_programs) * PROGRAM_BYTES
 
 
+def suggested_budget_bytes(need_bytes: int, startup_bytes: int = 0) -> int:
+  """The budget a refusal tells the user to use: `need_bytes` with headroom, in whole MiB.
+
+  `need_bytes` includes `startup_bytes`, the one-time start-up this process
+  paid (`startup`), which the next process measures differently: up to
+  1.5 MiB apart for a start-up of ~16.7 MiB in fresh processes of one state
+  (`tools/fuzz_budget.py`), so a budget named to the hundredth of a MiB was
+  refused again 0.01-1.5 MiB short when retried.  An eighth of the start-up
+  plus 1 MiB, rounded up to a whole MiB, covers that.
+
+  Example:
+
+    cost.suggested_budget_bytes(45.17 * MiB, startup_bytes=13.7 * MiB)  # 49 MiB
+  """
+  headroom = startup_bytes / 8 + MiB if startup_bytes else 0
+  return -(-int(need_bytes + headroom) // MiB) * MiB
+
+
 def min_restore_budget_bytes(num_leaves: int = 0) -> int:
   """The smallest budget a restore of `num_leaves` leaves can honour."""
   return FLOOR_BYTES + leaves_charge(num_leaves) + MIN_PIECES_BYTES
@@ -338,6 +356,7 @@ def predict_orbax_async(
   """
   on_cpu = est.platform == 'cpu'
   copies = 0
+  chunk_copies = 0
   sliced = use_replica_parallel and any(l.replica_parallel_applies for l in est.leaves)
   for leaf in est.leaves:
     w = leaf.host_bytes(use_replica_parallel)
@@ -345,8 +364,13 @@ def predict_orbax_async(
       copies += w  # NumpyHandler deep-copies host values for async saves.
     elif not on_cpu or (use_replica_parallel and leaf.replica_parallel_applies):
       copies += w
+    if leaf.unit_dim_chunks:
+      # TensorStore copies such chunks again, whatever the platform (a 512
+      # MiB (131072, 1, 1024) leaf under `auto` at 256 MiB on CPU peaked at
+      # 512 MiB when this was predicted as zero-copy).
+      chunk_copies += w
   pinned = copies if enable_pinned_host_transfer and not on_cpu else 0
-  encode = int(est.total_bytes(use_replica_parallel) * ORBAX_RAW_ENCODE_FACTOR)
+  encode = chunk_copies + int(est.total_bytes(use_replica_parallel) * ORBAX_RAW_ENCODE_FACTOR)
   floor = (ORBAX_FLOOR_BYTES + (ORBAX_SLICE_COMPILE_BYTES if sliced else 0)
            + est.num_leaves * ORBAX_PER_LEAF_BYTES)
   return OrbaxCost(host_copy_bytes=copies, pinned_staging_bytes=pinned, encode_bytes=encode,

@@ -290,16 +290,20 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
           f' {text.format_bytes(need)}: a fixed floor of'
           f' {text.format_bytes(cost.FLOOR_BYTES)}, {num_leaves} leaves\' bookkeeping'
           f' ({text.format_bytes(cost.leaves_charge(num_leaves))}) and a few pieces.'
-          f' Raise host_ram_budget to at least {text.format_bytes(need)}.'
+          ' Raise host_ram_budget to'
+          f' {text.budget_literal(cost.suggested_budget_bytes(need, startup_bytes))} or more.'
           + (f' This restore first paid {text.format_bytes(compiler_bytes)} for XLA\'s'
-             ' compiler start-up (the first jit of this process); a process that'
-             ' has run any jax.jit before does not pay it.' if compiler_bytes else '')
+             ' compiler start-up (the first compile of the ops kd_ckpt uses in this'
+             ' process): a process that has compiled a training step pays under'
+             ' 1 MiB of it, one that compiled only a trivial program ~12 MiB.'
+             if compiler_bytes else '')
           + (f' It paid {text.format_bytes(storage_bytes)} to start the storage clients'
              ' (the first gs:// access of this process: gcsfs, TensorStore\'s HTTP'
              ' transport); a process that has touched the bucket before does not.'
              if storage_bytes else ''))
     capacity = cost.limiter_capacity(budget_bytes) - startup_bytes
-    read = arrays_lib.read_context_for(capacity, num_leaves)
+    read = arrays_lib.read_context_for(capacity, num_leaves, budget_bytes=budget_bytes,
+                                       startup_bytes=startup_bytes)
     impl = self._pytree_handler(arrays_lib.KdArrayHandler(read=read),
                                 arrays_lib.KdNumpyHandler(read=read))
     restore_args = compat.orbax.construct_restore_args(

@@ -370,9 +370,10 @@ def plan_from_estimate(
   best_orbax = _best_orbax(cands, budget_bytes)
   startup_note = (
       f' This save first paid {text.format_bytes(startup_bytes)} for one-time'
-      ' start-up (XLA\'s compiler start-up at the first jit of this process, and the storage'
-      ' clients at its first gs:// access); a process that has run a jax.jit and'
-      ' touched its bucket before saving does not pay it.' if startup_bytes else '')
+      ' start-up (XLA\'s compiler start-up at the first compile of the ops kd_ckpt'
+      ' uses in this process, and the storage clients at its first gs:// access); a'
+      ' process that has compiled a training step and touched its bucket pays'
+      ' almost none of it.' if startup_bytes else '')
   empty = [l.path for l in est.leaves if l.is_array and 0 in l.shape]
   if empty and strategy == 'orbax':
     # Orbax 0.12 refuses zero-size arrays; the streaming writer stores them
@@ -390,8 +391,9 @@ def plan_from_estimate(
           ' copy lives until its background commit ends), more than'
           f' host_ram_budget={budget_text or budget_bytes}'
           f' ({text.format_bytes(budget_bytes)}). Use strategy="auto" or'
-          f' "streaming" (bounded), or raise the budget to at least'
-          f' {text.format_bytes(choice.worst_peak_bytes)}.{startup_note}')
+          f' "streaming" (bounded), or raise host_ram_budget to'
+          f' {text.budget_literal(cost.suggested_budget_bytes(choice.worst_peak_bytes, startup_bytes))}'
+          f' or more.{startup_note}')
     why = "strategy='orbax' asked for, and its worst case fits"
   elif strategy == 'auto' and best_orbax is not None and best_orbax.fits and not (
       blocking and _small_leaves(est) and stream.fits):
@@ -418,7 +420,8 @@ def plan_from_estimate(
         f' {text.format_bytes(cost.FLOOR_BYTES)}, {est.num_leaves} leaves\''
         f' bookkeeping ({text.format_bytes(cost.leaves_charge(est.num_leaves))}) and room'
         f' for two {text.format_bytes(cost.MIN_SLICE_BYTES)} slices). Raise'
-        f' host_ram_budget to at least {text.format_bytes(need)}.{startup_note}')
+        f' host_ram_budget to {text.budget_literal(cost.suggested_budget_bytes(need, startup_bytes))}'
+        f' or more.{startup_note}')
   use_rp = choice.orbax.use_replica_parallel if choice.orbax else True
   return SavePlan(
       strategy=choice.strategy, budget_bytes=budget_bytes,

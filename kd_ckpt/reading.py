@@ -82,6 +82,11 @@ class ReadContext:
   # Shards filled in place may cut their last piece short (`_partial_tiles`),
   # unless the programs that takes do not fit (`_admit_programs`).
   partial_tiles: bool = True
+  # The restore's host_ram_budget (0: not known), named in refusals: raising
+  # it raises `pieces_capacity_bytes` byte for byte.
+  budget_bytes: int = 0
+  # What of it the process's one-time start-up took (`startup`).
+  startup_bytes: int = 0
 
   def __post_init__(self):
     if not self.pieces_capacity_bytes:
@@ -238,7 +243,7 @@ class Source:
             f' ({text.format_bytes(ctx.piece_bytes)}), and reading them in pieces'
             f' holds {text.format_bytes(need)} of decoder state, more than the'
             f' budget leaves for it ({text.format_bytes(2 * ctx.piece_bytes + cost.CHUNKREAD_STATE_BYTES)}).'
-            f' Raise host_ram_budget by at least {text.format_bytes(extra)}.')
+            f' Raise host_ram_budget by {-(-extra // cost.MiB)} MiB or more.')
 
   def stream_chunks(self) -> None:
     """Reads its zstd chunks through chunkread where its state fits beside
@@ -1391,29 +1396,56 @@ def _admit_programs(ctx: ReadContext, leaves) -> tuple[ReadContext, set]:
   caller holds for the rest of the read.  Smaller pieces can put more shards
   on their devices (more programs): iterates to a fixed point.
   """
+  admitted = _admit(ctx, leaves)
+  if isinstance(admitted, tuple):
+    return admitted
+  charge = cost.programs_charge(admitted)
+  raise plan_lib.BudgetTooSmallError(
+      f'This restore fills shards too big for its pieces on their devices,'
+      f' compiling {admitted} programs that XLA keeps'
+      f' ({text.format_bytes(charge)} of host RAM), and the budget leaves'
+      f' {text.format_bytes(ctx.pieces_capacity_bytes)} for them and the pieces'
+      f' read: {_raise_to(ctx, leaves)}')
+
+
+def _admit(ctx: ReadContext, leaves) -> tuple[ReadContext, set] | int:
+  """`_admit_programs`' fixed point, or the number of programs that did not fit."""
   read = ctx
   while True:
     new = set().union(*(_programs(*leaf, read.piece_bytes, ctx.partial_tiles)
                         for leaf in leaves)) - _COMPILED
-    charge = cost.programs_charge(len(new))
-    room = ctx.pieces_capacity_bytes - charge
+    room = ctx.pieces_capacity_bytes - cost.programs_charge(len(new))
     if room < cost.MIN_PIECES_BYTES and ctx.partial_tiles:
       # Short last pieces take a program each: where those do not fit, the
       # last pieces move back over their neighbours (read twice) as before
       # (the `zeros` test state from a bucket at 48 MiB fell 80 KiB short).
-      return _admit_programs(dataclasses.replace(ctx, partial_tiles=False), leaves)
+      return _admit(dataclasses.replace(ctx, partial_tiles=False), leaves)
     if room < cost.MIN_PIECES_BYTES:
-      raise plan_lib.BudgetTooSmallError(
-          f'This restore fills shards too big for its pieces on their devices,'
-          f' compiling {len(new)} programs that XLA keeps'
-          f' ({text.format_bytes(charge)} of host RAM), and the budget leaves'
-          f' {text.format_bytes(ctx.pieces_capacity_bytes)} for them and the pieces'
-          f' read: raise host_ram_budget by at least'
-          f' {text.format_bytes(cost.MIN_PIECES_BYTES - room)}.')
+      return len(new)
     piece = min(ctx.piece_bytes, cost.restore_piece_bytes(room))
     if piece >= read.piece_bytes:
       return read, new
     read = dataclasses.replace(read, piece_bytes=piece)
+
+
+def _raise_to(ctx: ReadContext, leaves) -> str:
+  """What to raise the budget to: the least one whose pieces and programs fit.
+
+  A larger budget makes larger pieces, which can take other programs than
+  these (more, or fewer), so the shortfall alone is not the answer: the
+  budgets above are tried in steps of 1 MiB (pieces' room grows byte for
+  byte with the budget).
+  """
+  for extra in range(cost.MiB, 1024 * cost.MiB + 1, cost.MiB):
+    room = ctx.pieces_capacity_bytes + extra
+    trial = dataclasses.replace(ctx, pieces_capacity_bytes=room, partial_tiles=True,
+                                piece_bytes=cost.restore_piece_bytes(room))
+    if isinstance(_admit(trial, leaves), tuple):
+      if ctx.budget_bytes:
+        least = cost.suggested_budget_bytes(ctx.budget_bytes + extra, ctx.startup_bytes)
+        return f'raise host_ram_budget to {text.budget_literal(least)} or more.'
+      return f'raise host_ram_budget by {extra // cost.MiB} MiB or more.'
+  return 'raise host_ram_budget by 1 GiB or more.'
 
 
 def _open_many(infos, ctx: ReadContext, metadata_key) -> list[tuple[ts.TensorStore, ts.KvStore]]:
@@ -1724,7 +1756,14 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
           (shape, dtype, itemsize, _stored_chunk(t), sharding, _zstd_chunks(t))
           for _, _, t, _, shape, dtype, sharding, itemsize in leaves])
 
-    read, programs = sized(parts)
+    try:
+      read, programs = sized(parts)
+    except plan_lib.BudgetTooSmallError:
+      if parts == 1:
+        raise
+      # Each part's share holds every program: one part may have room.
+      parts = 1
+      read, programs = sized(1)
     if parts > 1 and not _parts_can_read(leaves, read.piece_bytes):
       parts = 1
       read, programs = sized(1)

@@ -24,6 +24,12 @@ def format_bytes(num_bytes: float | None) -> str:
   raise AssertionError('unreachable')
 
 
+def budget_literal(num_bytes: int) -> str:
+  """A budget, rounded up to a whole MiB, as the string to pass: `budget_literal(47 << 20) == "'47MiB'"`."""
+  mib = -(-int(num_bytes) // (1 << 20))
+  return f"'{mib // 1024}GiB'" if mib % 1024 == 0 else f"'{mib}MiB'"
+
+
 def table(rows: Sequence[Sequence[str]], *, align_right: Sequence[int] = ()) -> str:
   """Rows of strings as aligned columns; the first row is the header."""
   rows = [tuple(str(c) for c in r) for r in rows]

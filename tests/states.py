@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import functools
 import json
+import math
 import os
 import subprocess
 import sys
@@ -166,6 +167,16 @@ def unseen(name: str, total_bytes: int):
         'head': jax.jit(lambda x: x.at[:rows // 4].set(0), out_shardings=one,
                         donate_argnums=0)(head),
     }
+  if name == 'unit_dims':
+    # Chunks with an extent of 1 (a 1x1 conv kernel, per-layer scales, one
+    # row a device), which TensorStore copies rather than reference
+    # (`estimate.LeafEstimate.unit_dim_chunks`).
+    q = total_bytes // 4 // 4  # f32 elements in a quarter
+    return {
+        'conv1x1': filled((1, 1, 1024, 2 * q // 1024 // 8 * 8), NS(m1, P(None, None, None, 'x'))),
+        'rows': filled((8, q // 8), NS(m1, P('x')), seed=1),
+        'scale': filled((16, 1, q // 16), NS(m1, P()), seed=2),
+    }
   if name == 'wide_mesh2d':
     # Issue 18's case scaled: rows:cols 3:2 on a 4x2 mesh (24576x16384 at 1.5 GiB).
     cols = max(2, int((total_bytes / 4 / 1.5) ** 0.5)) // 2 * 2
@@ -193,6 +204,8 @@ UNSEEN = ('prime', 'prime_rep', 'mesh2d_prime', 'edge_chunks', 'many_small', 'mi
 OTHER = ('wide_mesh2d', 'zeros')
 # Only the restore budget test's (a GCS run of it adds nothing new).
 RESTORE_ONLY = ('many_medium', 'fsdp_dp')
+# Only their own tests'.
+SAVE_ONLY = ('unit_dims',)
 
 
 def host_made(total_bytes: int):
@@ -215,10 +228,82 @@ def host_made(total_bytes: int):
   return tree
 
 
+# Layouts `drawn` picks from: (mesh index, spec per rank); None = one device.
+_DRAWN_LAYOUTS = (
+    None, (0, ()), (0, ('x',)), (0, (None, 'x')), (1, ('a', 'b')), (1, ('a',)),
+    (1, (None, 'b')), (1, (('a', 'b'),)), (1, ('b', 'a')), (1, ()),
+)
+_DRAWN_DTYPES = ('float32', 'bfloat16', 'float16', 'int8', 'int32', 'uint8', 'bool')
+
+
+def drawn(seed: int, total_bytes: int):
+  """A state nobody designed: leaves, shapes, dtypes and layouts drawn from `seed`.
+
+  For `tools/fuzz_budget.py` (state name `drawn:SEED`).  1 to 200 leaves of
+  ranks 0-4 whose byte sizes split `total_bytes` unevenly; sharded extents are
+  a multiple of their mesh axes, often a prime one; the rest prime, power of
+  two or anything.  Values are made on the host and put on the devices:
+  nothing is compiled, and the host copies are gone before a measurement.
+  """
+  import ml_dtypes  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(seed)
+  m1, m2 = meshes()
+  mesh_axes = ({'x': 8}, {'a': 4, 'b': 2})
+  n = int(rng.choice([1, int(rng.integers(2, 9)), int(rng.integers(9, 201))]))
+  shares = rng.dirichlet(np.full(n, 0.3)) * total_bytes
+  primes = [p for p in range(2, 2000) if all(p % q for q in range(2, int(p ** 0.5) + 1))]
+  tree = {}
+  for i in range(n):
+    dname = _DRAWN_DTYPES[int(rng.integers(len(_DRAWN_DTYPES)))]
+    dt = np.dtype(ml_dtypes.bfloat16) if dname == 'bfloat16' else np.dtype(dname)
+    layout = _DRAWN_LAYOUTS[int(rng.integers(len(_DRAWN_LAYOUTS)))]
+    spec = () if layout is None else layout[1]
+    rank = int(rng.integers(len(spec), 5)) if spec or n == 1 or rng.random() < 0.9 else 0
+    rank = max(rank, 1) if n == 1 else rank
+    elems = max(1, int(shares[i]) // dt.itemsize)
+    shape = []
+    for d in range(rank):
+      axes = spec[d] if d < len(spec) else None
+      mult = 1
+      for a in (axes if isinstance(axes, tuple) else (axes,) if axes else ()):
+        mult *= mesh_axes[layout[0]][a]
+      left = max(1, elems // max(1, math.prod(shape)) // mult)
+      per_dim = max(1, round(left ** (1 / (rank - d))))
+      kind = rng.random()
+      if kind < 0.4:
+        k = max([p for p in primes if p <= per_dim] or [1])
+      elif kind < 0.6:
+        k = 1 << max(0, int(math.log2(per_dim)))
+      else:
+        k = int(rng.integers(1, per_dim + 1))
+      shape.append(k * mult)
+    shape = tuple(shape)
+    if layout is None:
+      sharding = jax.sharding.SingleDeviceSharding(jax.devices()[int(rng.integers(8))])
+    else:
+      sharding = NS((m1, m2)[layout[0]], P(*spec))
+    if dt == np.bool_:
+      host = rng.integers(0, 2, shape).astype(bool)
+    elif np.issubdtype(dt, np.integer):
+      info = np.iinfo(dt)
+      host = rng.integers(info.min, info.max, shape, dtype=dt, endpoint=True)
+    else:
+      host = rng.standard_normal(shape, np.float32).astype(dt)
+    tree[f'd{i:03d}'] = jax.device_put(host, sharding)
+    del host
+  if rng.random() < 0.8:
+    # Most processes that save have run a jitted step: the compiler's
+    # start-up is behind them (the rest pay it inside the budget).
+    jax.block_until_ready(jax.jit(lambda x: x + 1)(np.float32(seed)))
+  return tree
+
+
 def make_state(name: str, total_bytes: int):
+  if name.startswith('drawn:'):
+    return drawn(int(name.split(':', 1)[1]), total_bytes)
   if name == 'one_replicated':
     return one_replicated(total_bytes)
-  if name in UNSEEN + OTHER + RESTORE_ONLY:
+  if name in UNSEEN + OTHER + RESTORE_ONLY + SAVE_ONLY:
     return unseen(name, total_bytes)
   return layout(name, total_bytes)
 

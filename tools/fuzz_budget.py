@@ -1,0 +1,184 @@
+"""Saves and restores of drawn states, each measured in a fresh process: the budget must hold.
+
+A budget is a limit on states nobody designed.  Each seed draws a state
+(`tests.states.drawn`: 1-200 leaves, ranks 0-4, seven dtypes, one-device,
+replicated, 1-D and 2-D layouts, prime and odd extents), a writer (kd_ckpt
+`streaming`, `auto`, `orbax`, or stock Orbax), a save budget, a restore
+budget and the restore's placement path (the CPU devices keep their host
+shards, or copy them as GPUs do: `KD_CKPT_SHARE_HOST_BUFFERS=0`).  The save
+and the restore each run in a process of their own (`tests.states`
+workers), measured from outside kd_ckpt (VmHWM):
+
+  - a kd_ckpt save peaks at most at its budget + `--tolerance-mib`, or is
+    refused with `BudgetTooSmallError` before anything is written (it is then
+    saved again at the budget the error names, which must work);
+  - a restore comes back bit-exact, peaking beyond the restored arrays at
+    most at its budget + the tolerance, or is refused the same way.
+
+  .venv/bin/python tools/fuzz_budget.py --seeds 0-99      # ~5-8 min on 2 cores
+  .venv/bin/python tools/fuzz_budget.py --seeds 17 -v     # one seed again, with its state
+
+Exit status 1 if any case broke its budget, failed, or differed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+
+os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+os.environ.setdefault('JAX_PLATFORMS', 'cpu')
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+MiB = 1 << 20
+WRITERS = ('streaming', 'auto', 'orbax', 'stock')
+
+
+def _log_uniform(rng, lo: float, hi: float) -> int:
+  return int(math.exp(rng.uniform(math.log(lo), math.log(hi))))
+
+
+def _seeds(text: str) -> list[int]:
+  out = []
+  for part in text.split(','):
+    lo, _, hi = part.partition('-')
+    out.extend(range(int(lo), int(hi or lo) + 1))
+  return out
+
+
+def _named_budget(error: str, budget: int) -> int | None:
+  """The budget a `BudgetTooSmallError` says to use, in bytes (None if none)."""
+  if 'BudgetTooSmallError' not in error:
+    return None
+  to = re.search(r"to '(\d+)(MiB|GiB)' or more", error)
+  by = re.search(r'by (\d+) MiB or more', error)
+  if to:
+    return int(to.group(1)) * (MiB if to.group(2) == 'MiB' else 1 << 30)
+  return budget + int(by.group(1)) * MiB if by else None
+
+
+def _case(rng, seed: int) -> dict:
+  return dict(
+      seed=seed,
+      total_bytes=_log_uniform(rng, 2 * MiB, 192 * MiB),
+      writer=WRITERS[int(rng.integers(len(WRITERS)))],
+      save_budget=_log_uniform(rng, 16 * MiB, 512 * MiB),
+      restore_budget=_log_uniform(rng, 16 * MiB, 512 * MiB),
+      copying=bool(rng.random() < 0.5),
+  )
+
+
+def _run(states, args: list[str], env: dict | None = None) -> tuple[dict | None, str]:
+  """(the worker's JSON, '') or (None, its error's last lines)."""
+  try:
+    return states.run_worker(*args, env=env), ''
+  except AssertionError as e:
+    return None, str(e)
+
+
+def run_case(states, case: dict, root: str, tolerance: int, verbose: bool) -> list[str]:
+  """Runs one drawn case; returns what went wrong (empty: it held)."""
+  state, total = f"drawn:{case['seed']}", str(case['total_bytes'])
+  path = os.path.join(root, f"s{case['seed']}")
+  shutil.rmtree(path, ignore_errors=True)
+  problems, notes = [], []
+  writer, budget = case['writer'], case['save_budget']
+  if writer == 'stock':
+    out, err = _run(states, ['stock', path, state, total])
+    if out is None:
+      return [f'stock Orbax save failed: {err[-600:]}']
+  else:
+    for attempt in range(3):
+      out, err = _run(states, ['save', path, state, total, writer, str(budget)])
+      if out is not None:
+        break
+      named = _named_budget(err, budget)
+      if named is None or named <= budget or attempt == 2:
+        return problems + [f'{writer} save at {budget / MiB:.1f} MiB failed'
+                           + (f' (refused {attempt} times before)' if attempt else '')
+                           + f': {err[-800:]}']
+      if os.path.exists(path) and os.listdir(path):
+        problems.append(f'refused save at {budget / MiB:.1f} MiB left files in {path}')
+      notes.append(f'save refused at {budget / MiB:.1f} MiB, named {named / MiB:.1f} MiB')
+      budget = named
+    peak = out['peak_extra_bytes']
+    notes.append(f'save {writer} @{budget / MiB:.1f} MiB peak {peak / MiB:.1f} MiB')
+    if peak > budget + tolerance:
+      problems.append(f'{writer} save peaked at {peak / MiB:.1f} MiB over its budget '
+                      f'{budget / MiB:.1f} MiB')
+  env = states.COPYING_DEVICES if case['copying'] else None
+  rbudget = case['restore_budget']
+  for attempt in range(3):
+    out, err = _run(states, ['restore', path, state, total, str(rbudget)], env=env)
+    if out is not None:
+      break
+    named = _named_budget(err, rbudget)
+    if named is None or named <= rbudget or attempt == 2:
+      problems.append(f'restore at {rbudget / MiB:.1f} MiB failed'
+                      + (f' (refused {attempt} times before)' if attempt else '')
+                      + f': {err[-800:]}')
+      return problems + (notes if verbose else [])
+    notes.append(f'restore refused at {rbudget / MiB:.1f} MiB, named {named / MiB:.1f} MiB')
+    rbudget = named
+  beyond = out['peak_extra_bytes'] - out['restored_bytes']
+  notes.append(f"restore {'copying' if case['copying'] else 'shared'} @{rbudget / MiB:.1f} MiB "
+               f'beyond arrays {beyond / MiB:.1f} MiB')
+  if beyond > rbudget + tolerance:
+    problems.append(f'restore peaked {beyond / MiB:.1f} MiB beyond the restored arrays, over '
+                    f'its budget {rbudget / MiB:.1f} MiB')
+  shutil.rmtree(path, ignore_errors=True)
+  if verbose or problems:
+    print('   ', '; '.join(notes), flush=True)
+  return problems
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument('--seeds', default='0-49', help='e.g. 0-99 or 3,17,40-45')
+  ap.add_argument('--tolerance-mib', type=float, default=8.0,
+                  help='allowed above a budget (the test suite uses 8 MiB)')
+  ap.add_argument('--dir', default=None, help='where checkpoints go (default: a temp dir)')
+  ap.add_argument('-v', '--verbose', action='store_true', help='print each case\'s state and figures')
+  args = ap.parse_args(argv)
+
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from tests import states  # pylint: disable=g-import-not-at-top
+
+  root = args.dir or tempfile.mkdtemp(prefix='kd_fuzz_')
+  tolerance = int(args.tolerance_mib * MiB)
+  failed, start = [], time.monotonic()
+  seeds = _seeds(args.seeds)
+  for seed in seeds:
+    case = _case(np.random.default_rng(10_000_019 + seed), seed)
+    line = (f"seed {seed}: {case['total_bytes'] / MiB:.1f} MiB, {case['writer']} "
+            f"@{case['save_budget'] / MiB:.1f} MiB, restore "
+            f"{'copying' if case['copying'] else 'shared'} @{case['restore_budget'] / MiB:.1f} MiB")
+    if args.verbose:
+      tree = states.drawn(seed, case['total_bytes'])
+      for k, x in tree.items():
+        print(f'    {k} {x.shape} {x.dtype} {getattr(x.sharding, "spec", "one device")}')
+      del tree
+    t = time.monotonic()
+    problems = run_case(states, case, root, tolerance, args.verbose)
+    print(f"{line}: {'FAIL' if problems else 'ok'} ({time.monotonic() - t:.1f} s)", flush=True)
+    for p in problems:
+      print('    ' + p.replace('\n', '\n    '), flush=True)
+    if problems:
+      failed.append(seed)
+  print(f'{len(seeds) - len(failed)}/{len(seeds)} held in {time.monotonic() - start:.0f} s'
+        + (f'; failed seeds: {",".join(map(str, failed))}' if failed else ''))
+  if not args.dir:
+    shutil.rmtree(root, ignore_errors=True)
+  return 1 if failed else 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
