@@ -1767,6 +1767,13 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
     if parts > 1 and not _parts_can_read(leaves, read.piece_bytes):
       parts = 1
       read, programs = sized(1)
+    # The programs are held from the same limiter: what a leaf may take
+    # beside them (`_by_shard_tasks`' room) is what they leave.  Counted in
+    # full, a resharded bf16 leaf on devices that copy asked for 6.2 MiB
+    # where 8.2 MiB of programs left 4.8 MiB, and waited forever (a drawn
+    # state, `tools/fuzz_budget.py` seed 159).
+    read = dataclasses.replace(read, pieces_capacity_bytes=(
+        read.pieces_capacity_bytes - cost.programs_charge(len(programs))))
     out = [None] * len(leaves)
 
     def fill(j, read=read, max_lanes=lanes):

@@ -298,6 +298,41 @@ def drawn(seed: int, total_bytes: int):
   return tree
 
 
+def redrawn(tree, seed: int):
+  """`tree` put on other layouts drawn from `seed` (each one its shape divides).
+
+  For restores onto another sharding than the saved one
+  (`KD_TEST_RESHARD=SEED` in a `restore` worker; `tools/fuzz_budget.py`).
+  """
+  rng = np.random.default_rng(seed)
+  m1, m2 = meshes()
+  mesh_axes = ({'x': 8}, {'a': 4, 'b': 2})
+
+  def fits(layout, shape):
+    if layout is None:
+      return True
+    mesh, spec = layout
+    if len(spec) > len(shape):
+      return False
+    for d, axes in enumerate(spec):
+      n = math.prod(mesh_axes[mesh][a] for a in (
+          axes if isinstance(axes, tuple) else (axes,) if axes else ()))
+      if shape[d] % n:
+        return False
+    return True
+
+  out = {}
+  for k, x in tree.items():
+    choices = [l for l in _DRAWN_LAYOUTS if fits(l, x.shape)]
+    layout = choices[int(rng.integers(len(choices)))]
+    if layout is None:
+      sharding = jax.sharding.SingleDeviceSharding(jax.devices()[int(rng.integers(8))])
+    else:
+      sharding = NS((m1, m2)[layout[0]], P(*layout[1]))
+    out[k] = jax.device_put(x, sharding)
+  return out
+
+
 def make_state(name: str, total_bytes: int):
   if name.startswith('drawn:'):
     return drawn(int(name.split(':', 1)[1]), total_bytes)
@@ -419,6 +454,20 @@ def _digests(tree) -> dict[str, str]:
   return out
 
 
+def _settle() -> None:
+  """Frees what the set-up left before a measurement's baseline is taken.
+
+  Arrays left in reference cycles (a resharding `device_put` leaves some: a
+  drawn state's 178 MiB) are otherwise freed by the collector inside the
+  measured call, which then reuses their pages: a resharded restore read
+  159 MiB below its restored arrays.
+  """
+  import gc  # pylint: disable=g-import-not-at-top
+  gc.collect()
+  from kd_ckpt import hostmem  # pylint: disable=g-import-not-at-top
+  hostmem.release_free_memory()
+
+
 def _worker(argv):
   """MODE DIR STATE TOTAL_BYTES [ARGS]: one measured operation, JSON on stdout.
 
@@ -441,6 +490,10 @@ def _worker(argv):
   from kd_ckpt import startup  # pylint: disable=g-import-not-at-top
 
   mode, directory, state, total = argv[0], argv[1], argv[2], int(argv[3])
+  if os.environ.get('KD_TEST_STALL_SECS'):
+    from kd_ckpt import limiter  # pylint: disable=g-import-not-at-top
+    # A wait on bytes nobody releases fails this soon (a deadlock, not a hang).
+    limiter.STALL_SECS = float(os.environ['KD_TEST_STALL_SECS'])
   as_budget = lambda b: int(b) if b.isdigit() else b
   if mode.startswith('cold_'):
     out = {}
@@ -448,7 +501,7 @@ def _worker(argv):
       tree = host_made(total)
       jax.block_until_ready(tree)
       assert not startup._started  # pylint: disable=protected-access
-      hostmem.release_free_memory()
+      _settle()
       with hostmem.PeakRss() as peak:
         try:
           r = kd_ckpt.save(directory, tree, host_ram_budget=as_budget(argv[5]),
@@ -458,7 +511,7 @@ def _worker(argv):
           out['error'] = str(e)
     else:
       assert not startup._started  # pylint: disable=protected-access
-      hostmem.release_free_memory()
+      _settle()
       with hostmem.PeakRss() as peak:
         try:
           back = kd_ckpt.restore(directory, host_ram_budget=as_budget(argv[4]))
@@ -478,7 +531,7 @@ def _worker(argv):
     startup.start_storage(directory)
   if mode == 'save':
     # Measured from outside kd_ckpt: the whole call, not the report's own figure.
-    hostmem.release_free_memory()
+    _settle()
     with hostmem.PeakRss() as peak:
       start = time.monotonic()
       r = kd_ckpt.save(directory, tree, host_ram_budget=as_budget(argv[5]), strategy=argv[4])
@@ -500,14 +553,14 @@ def _worker(argv):
     item = State(params=tree)
     ckpt.save(item, step=0)  # warm-up (imports, thread pools), as in training
     ckpt.wait_until_finished()
-    hostmem.release_free_memory()
+    _settle()
     with hostmem.PeakRss() as whole:
       ckpt.save(item, step=1)
       ckpt.wait_until_finished()
     out = ckpt.reports[-1].to_json_dict()
     out['whole_save_peak_extra_bytes'] = whole.extra_bytes
   elif mode in ('orbax', 'stock'):
-    hostmem.release_free_memory()
+    _settle()
     with hostmem.PeakRss() as peak:
       start = time.monotonic()
       ckptr = ocp.StandardCheckpointer()
@@ -518,11 +571,16 @@ def _worker(argv):
   elif mode == 'restore':
     budget = as_budget(argv[4])
     via = argv[5] if len(argv) > 5 else 'api'
+    if os.environ.get('KD_TEST_WARM') == '1':
+      startup.start_compiler()  # paid before, as a training process has
+    if os.environ.get('KD_TEST_RESHARD'):
+      tree = redrawn(tree, int(os.environ['KD_TEST_RESHARD']))
+      jax.block_until_ready(tree)
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
     want = _digests(tree)  # every restore is checked bit-exact, after measuring
     del tree
-    hostmem.release_free_memory()
+    _settle()
     if via == 'ckpt':
       from kauldron import kd  # pylint: disable=g-import-not-at-top
       import flax  # pylint: disable=g-import-not-at-top

@@ -3,10 +3,12 @@
 A budget is a limit on states nobody designed.  Each seed draws a state
 (`tests.states.drawn`: 1-200 leaves, ranks 0-4, seven dtypes, one-device,
 replicated, 1-D and 2-D layouts, prime and odd extents), a writer (kd_ckpt
-`streaming`, `auto`, `orbax`, or stock Orbax), a save budget, a restore
-budget and the restore's placement path (the CPU devices keep their host
-shards, or copy them as GPUs do: `KD_CKPT_SHARE_HOST_BUFFERS=0`).  The save
-and the restore each run in a process of their own (`tests.states`
+`streaming`, `auto`, `orbax`, Kauldron's `SafeCheckpointer`, or stock
+Orbax), a save budget, a restore
+budget, the restore's target layouts (the saved ones, or others drawn:
+`tests.states.redrawn`) and its placement path (the CPU devices keep their
+host shards, or copy them as GPUs do: `KD_CKPT_SHARE_HOST_BUFFERS=0`).  The
+save and the restore each run in a process of their own (`tests.states`
 workers), measured from outside kd_ckpt (VmHWM):
 
   - a kd_ckpt save peaks at most at its budget + `--tolerance-mib`, or is
@@ -72,6 +74,10 @@ def _case(rng, seed: int) -> dict:
       save_budget=_log_uniform(rng, 16 * MiB, 512 * MiB),
       restore_budget=_log_uniform(rng, 16 * MiB, 512 * MiB),
       copying=bool(rng.random() < 0.5),
+      reshard=bool(rng.random() < 0.5),
+      # Kauldron's checkpointer (SafeCheckpointer, strategy='auto', async
+      # where it plans Orbax's save), restored through it too.
+      kauldron=bool(rng.random() < 0.15),
   )
 
 
@@ -90,13 +96,18 @@ def run_case(states, case: dict, root: str, tolerance: int, verbose: bool) -> li
   shutil.rmtree(path, ignore_errors=True)
   problems, notes = [], []
   writer, budget = case['writer'], case['save_budget']
+  if case.get('kauldron'):
+    writer = 'SafeCheckpointer auto'  # the save's peak: the whole async save
   if writer == 'stock':
     out, err = _run(states, ['stock', path, state, total])
     if out is None:
       return [f'stock Orbax save failed: {err[-600:]}']
   else:
     for attempt in range(3):
-      out, err = _run(states, ['save', path, state, total, writer, str(budget)])
+      if case.get('kauldron'):
+        out, err = _run(states, ['ckpt', path, state, total, 'auto', str(budget)])
+      else:
+        out, err = _run(states, ['save', path, state, total, writer, str(budget)])
       if out is not None:
         break
       named = _named_budget(err, budget)
@@ -104,19 +115,22 @@ def run_case(states, case: dict, root: str, tolerance: int, verbose: bool) -> li
         return problems + [f'{writer} save at {budget / MiB:.1f} MiB failed'
                            + (f' (refused {attempt} times before)' if attempt else '')
                            + f': {err[-800:]}']
-      if os.path.exists(path) and os.listdir(path):
+      if not case.get('kauldron') and os.path.exists(path) and os.listdir(path):
         problems.append(f'refused save at {budget / MiB:.1f} MiB left files in {path}')
       notes.append(f'save refused at {budget / MiB:.1f} MiB, named {named / MiB:.1f} MiB')
       budget = named
-    peak = out['peak_extra_bytes']
+    peak = out['whole_save_peak_extra_bytes' if case.get('kauldron') else 'peak_extra_bytes']
     notes.append(f'save {writer} @{budget / MiB:.1f} MiB peak {peak / MiB:.1f} MiB')
     if peak > budget + tolerance:
       problems.append(f'{writer} save peaked at {peak / MiB:.1f} MiB over its budget '
                       f'{budget / MiB:.1f} MiB')
-  env = states.COPYING_DEVICES if case['copying'] else None
+  env = dict(states.COPYING_DEVICES) if case['copying'] else {}
+  if case.get('reshard'):
+    env['KD_TEST_RESHARD'] = str(case['seed'])
   rbudget = case['restore_budget']
   for attempt in range(3):
-    out, err = _run(states, ['restore', path, state, total, str(rbudget)], env=env)
+    out, err = _run(states, ['restore', path, state, total, str(rbudget)]
+                    + (['ckpt'] if case.get('kauldron') else []), env=env)
     if out is not None:
       break
     named = _named_budget(err, rbudget)
@@ -128,7 +142,8 @@ def run_case(states, case: dict, root: str, tolerance: int, verbose: bool) -> li
     notes.append(f'restore refused at {rbudget / MiB:.1f} MiB, named {named / MiB:.1f} MiB')
     rbudget = named
   beyond = out['peak_extra_bytes'] - out['restored_bytes']
-  notes.append(f"restore {'copying' if case['copying'] else 'shared'} @{rbudget / MiB:.1f} MiB "
+  notes.append(f"restore {'copying' if case['copying'] else 'shared'}"
+               f"{' resharded' if case.get('reshard') else ''} @{rbudget / MiB:.1f} MiB "
                f'beyond arrays {beyond / MiB:.1f} MiB')
   if beyond > rbudget + tolerance:
     problems.append(f'restore peaked {beyond / MiB:.1f} MiB beyond the restored arrays, over '
@@ -158,9 +173,11 @@ def main(argv=None) -> int:
   seeds = _seeds(args.seeds)
   for seed in seeds:
     case = _case(np.random.default_rng(10_000_019 + seed), seed)
-    line = (f"seed {seed}: {case['total_bytes'] / MiB:.1f} MiB, {case['writer']} "
+    line = (f"seed {seed}: {case['total_bytes'] / MiB:.1f} MiB, "
+            f"{'SafeCheckpointer' if case['kauldron'] else case['writer']} "
             f"@{case['save_budget'] / MiB:.1f} MiB, restore "
-            f"{'copying' if case['copying'] else 'shared'} @{case['restore_budget'] / MiB:.1f} MiB")
+            f"{'copying' if case['copying'] else 'shared'}{' resharded' if case['reshard'] else ''}"
+            f" @{case['restore_budget'] / MiB:.1f} MiB")
     if args.verbose:
       tree = states.drawn(seed, case['total_bytes'])
       for k, x in tree.items():
