@@ -83,6 +83,8 @@ def _case(rng, seed: int) -> dict:
 
 def _run(states, args: list[str], env: dict | None = None) -> tuple[dict | None, str]:
   """(the worker's JSON, '') or (None, its error's last lines)."""
+  # A wait on bytes nobody releases fails in 30 s (a stall), not 300 s.
+  env = {'KD_TEST_STALL_SECS': '30', **(env or {})}
   try:
     return states.run_worker(*args, env=env), ''
   except AssertionError as e:
