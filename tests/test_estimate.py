@@ -114,3 +114,17 @@ def test_orbax_worst_case_is_never_below_the_measured_peak(tmp_path, layout):
   predicted, measured = out['predicted_peak_bytes'], out['peak_extra_bytes']
   print(f'{layout}: worst case {predicted / MiB:.1f} MiB, measured {measured / MiB:.1f} MiB')
   assert measured <= predicted + 8 * MiB, (predicted, measured)
+
+
+def test_a_named_budget_is_whole_mib_with_room_for_a_new_processes_start_up():
+  """Refusals name a budget the next process accepts: rounded up, never
+  down, with headroom for a start-up measured up to 1.5 MiB apart."""
+  from kd_ckpt import text  # pylint: disable=g-import-not-at-top
+  MiB = 1 << 20  # pylint: disable=invalid-name
+  assert cost.suggested_budget_bytes(45 * MiB) == 45 * MiB
+  assert cost.suggested_budget_bytes(45 * MiB + 1) == 46 * MiB
+  named = cost.suggested_budget_bytes(int(43.94 * MiB), startup_bytes=int(16.6 * MiB))
+  assert named >= int((43.94 + 1.5) * MiB) and named % MiB == 0
+  assert text.budget_literal(47 * MiB) == "'47MiB'"
+  assert text.budget_literal(2048 * MiB) == "'2GiB'"
+  assert text.budget_literal(47 * MiB + 1) == "'48MiB'"

@@ -19,6 +19,7 @@ workers), measured from outside kd_ckpt (VmHWM):
 
   .venv/bin/python tools/fuzz_budget.py --seeds 0-99      # ~5-8 min on 2 cores
   .venv/bin/python tools/fuzz_budget.py --seeds 17 -v     # one seed again, with its state
+  .venv/bin/python tools/fuzz_budget.py --gcs --seeds 0-29 # through a GCS server on loopback
 
 Exit status 1 if any case broke its budget, failed, or differed.
 """
@@ -117,7 +118,8 @@ def run_case(states, case: dict, root: str, tolerance: int, verbose: bool) -> li
         return problems + [f'{writer} save at {budget / MiB:.1f} MiB failed'
                            + (f' (refused {attempt} times before)' if attempt else '')
                            + f': {err[-800:]}']
-      if not case.get('kauldron') and os.path.exists(path) and os.listdir(path):
+      if (not case.get('kauldron') and not path.startswith('gs://')
+          and os.path.exists(path) and os.listdir(path)):
         problems.append(f'refused save at {budget / MiB:.1f} MiB left files in {path}')
       notes.append(f'save refused at {budget / MiB:.1f} MiB, named {named / MiB:.1f} MiB')
       budget = named
@@ -162,6 +164,8 @@ def main(argv=None) -> int:
   ap.add_argument('--tolerance-mib', type=float, default=8.0,
                   help='allowed above a budget (the test suite uses 8 MiB)')
   ap.add_argument('--dir', default=None, help='where checkpoints go (default: a temp dir)')
+  ap.add_argument('--gcs', action='store_true',
+                  help='save to and restore from a GCS server on loopback (fake-gcs-server)')
   ap.add_argument('-v', '--verbose', action='store_true', help='print each case\'s state and figures')
   args = ap.parse_args(argv)
 
@@ -170,6 +174,12 @@ def main(argv=None) -> int:
   from tests import states  # pylint: disable=g-import-not-at-top
 
   root = args.dir or tempfile.mkdtemp(prefix='kd_fuzz_')
+  server = None
+  if args.gcs:
+    from tests import gcs_server  # pylint: disable=g-import-not-at-top
+    server = gcs_server.GcsServer(os.path.join(root, 'gcs')).start()
+    server.create_bucket('fuzz')
+    os.environ.update(server.env())  # the workers inherit it
   tolerance = int(args.tolerance_mib * MiB)
   failed, start = [], time.monotonic()
   seeds = _seeds(args.seeds)
@@ -186,7 +196,7 @@ def main(argv=None) -> int:
         print(f'    {k} {x.shape} {x.dtype} {getattr(x.sharding, "spec", "one device")}')
       del tree
     t = time.monotonic()
-    problems = run_case(states, case, root, tolerance, args.verbose)
+    problems = run_case(states, case, 'gs://fuzz' if server else root, tolerance, args.verbose)
     print(f"{line}: {'FAIL' if problems else 'ok'} ({time.monotonic() - t:.1f} s)", flush=True)
     for p in problems:
       print('    ' + p.replace('\n', '\n    '), flush=True)
@@ -194,6 +204,8 @@ def main(argv=None) -> int:
       failed.append(seed)
   print(f'{len(seeds) - len(failed)}/{len(seeds)} held in {time.monotonic() - start:.0f} s'
         + (f'; failed seeds: {",".join(map(str, failed))}' if failed else ''))
+  if server is not None:
+    server.stop()
   if not args.dir:
     shutil.rmtree(root, ignore_errors=True)
   return 1 if failed else 0
