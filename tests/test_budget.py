@@ -503,3 +503,19 @@ def test_the_smallest_budget_named_in_errors_is_one_that_plans(num_leaves):
   need = cost.min_budget_bytes(num_leaves)
   assert cost.streaming_layout(need, num_leaves).feasible
   assert not cost.streaming_layout(need - 64 * 1024, num_leaves).feasible
+
+
+def test_drawn_states_hold_the_budget():
+  """`tools/fuzz_budget.py` on a few seeds, so the tool keeps working: 0
+  (through SafeCheckpointer), 9 and 11 (refused twice on restore, then
+  held at the budget named), 75 (a leaf with an extent of 1 under
+  strategy='orbax') and 159 (resharded onto devices that copy, beside
+  placement programs).  `make fuzz-budget` runs 100 seeds."""
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  proc = subprocess.run(
+      [sys.executable, os.path.join(states.REPO, 'tools', 'fuzz_budget.py'),
+       '--seeds', '0,9,11,75,159'],
+      cwd=states.REPO, capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+  assert '5/5 held' in proc.stdout, proc.stdout[-2000:]
