@@ -236,6 +236,19 @@ _DRAWN_LAYOUTS = (
 _DRAWN_DTYPES = ('float32', 'bfloat16', 'float16', 'int8', 'int32', 'uint8', 'bool')
 
 
+def _devices_over(layout, axes) -> int:
+  """How many devices a spec entry (`None`, an axis or a tuple of them) splits a dim over."""
+  sizes = ({'x': 8}, {'a': 4, 'b': 2})[layout[0]]  # `meshes()`
+  return math.prod(sizes[a] for a in (axes if isinstance(axes, tuple) else (axes,) if axes else ()))
+
+
+def _drawn_sharding(layout, rng):
+  """The sharding of one of `_DRAWN_LAYOUTS` (a drawn device for None)."""
+  if layout is None:
+    return jax.sharding.SingleDeviceSharding(jax.devices()[int(rng.integers(8))])
+  return NS(meshes()[layout[0]], P(*layout[1]))
+
+
 def drawn(seed: int, total_bytes: int):
   """A state nobody designed: leaves, shapes, dtypes and layouts drawn from `seed`.
 
@@ -247,8 +260,6 @@ def drawn(seed: int, total_bytes: int):
   """
   import ml_dtypes  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(seed)
-  m1, m2 = meshes()
-  mesh_axes = ({'x': 8}, {'a': 4, 'b': 2})
   n = int(rng.choice([1, int(rng.integers(2, 9)), int(rng.integers(9, 201))]))
   shares = rng.dirichlet(np.full(n, 0.3)) * total_bytes
   primes = [p for p in range(2, 2000) if all(p % q for q in range(2, int(p ** 0.5) + 1))]
@@ -263,10 +274,7 @@ def drawn(seed: int, total_bytes: int):
     elems = max(1, int(shares[i]) // dt.itemsize)
     shape = []
     for d in range(rank):
-      axes = spec[d] if d < len(spec) else None
-      mult = 1
-      for a in (axes if isinstance(axes, tuple) else (axes,) if axes else ()):
-        mult *= mesh_axes[layout[0]][a]
+      mult = _devices_over(layout, spec[d]) if d < len(spec) else 1
       left = max(1, elems // max(1, math.prod(shape)) // mult)
       per_dim = max(1, round(left ** (1 / (rank - d))))
       kind = rng.random()
@@ -278,10 +286,7 @@ def drawn(seed: int, total_bytes: int):
         k = int(rng.integers(1, per_dim + 1))
       shape.append(k * mult)
     shape = tuple(shape)
-    if layout is None:
-      sharding = jax.sharding.SingleDeviceSharding(jax.devices()[int(rng.integers(8))])
-    else:
-      sharding = NS((m1, m2)[layout[0]], P(*spec))
+    sharding = _drawn_sharding(layout, rng)
     if dt == np.bool_:
       host = rng.integers(0, 2, shape).astype(bool)
     elif np.issubdtype(dt, np.integer):
@@ -305,30 +310,17 @@ def redrawn(tree, seed: int):
   (`KD_TEST_RESHARD=SEED` in a `restore` worker; `tools/fuzz_budget.py`).
   """
   rng = np.random.default_rng(seed)
-  m1, m2 = meshes()
-  mesh_axes = ({'x': 8}, {'a': 4, 'b': 2})
 
   def fits(layout, shape):
     if layout is None:
       return True
-    mesh, spec = layout
-    if len(spec) > len(shape):
-      return False
-    for d, axes in enumerate(spec):
-      n = math.prod(mesh_axes[mesh][a] for a in (
-          axes if isinstance(axes, tuple) else (axes,) if axes else ()))
-      if shape[d] % n:
-        return False
-    return True
+    return len(layout[1]) <= len(shape) and all(
+        shape[d] % _devices_over(layout, axes) == 0 for d, axes in enumerate(layout[1]))
 
   out = {}
   for k, x in tree.items():
     choices = [l for l in _DRAWN_LAYOUTS if fits(l, x.shape)]
-    layout = choices[int(rng.integers(len(choices)))]
-    if layout is None:
-      sharding = jax.sharding.SingleDeviceSharding(jax.devices()[int(rng.integers(8))])
-    else:
-      sharding = NS((m1, m2)[layout[0]], P(*layout[1]))
+    sharding = _drawn_sharding(choices[int(rng.integers(len(choices)))], rng)
     out[k] = jax.device_put(x, sharding)
   return out
 
