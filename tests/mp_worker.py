@@ -2,6 +2,7 @@
 
   python -m tests.mp_worker save    WORKDIR STRATEGY BUDGET PROCESS_ID NUM_PROCESSES PORT
   python -m tests.mp_worker restore WORKDIR...
+  python -m tests.mp_worker fuzz OP PATH STATE ...   (tools/fuzz_budget.py --processes N)
 
 `save`: one of NUM_PROCESSES JAX processes (4 fake CPU devices each) joined by
 `jax.distributed.initialize` on 127.0.0.1:PORT.  Every process builds the
@@ -355,8 +356,99 @@ def _preflight_one(argv) -> dict:
   return out
 
 
+def _fuzz(argv) -> dict:
+  """One process of a drawn case of `tools/fuzz_budget.py --processes N`.
+
+    fuzz OP PATH STATE TOTAL_BYTES STRATEGY BUDGET PROCESS_ID NUM_PROCESSES PORT
+
+  OP `save`: `kd_ckpt.save(strategy=STRATEGY)` of `tests.states.drawn`'s
+  state over all processes' devices, measured in this process (VmHWM);
+  `stock`: Orbax's default save, unmeasured; `restore`: `kd_ckpt.restore`
+  onto the saved layouts (or others: KD_TEST_RESHARD=SEED), its peak beyond
+  this process's restored shards, every shard checked bit-exact against the
+  drawn values.  A `BudgetTooSmallError` is returned as `error`.
+  """
+  op, path, state, total, strategy, budget, pid, nproc, port = argv
+  pid, nproc, total = int(pid), int(nproc), int(total)
+  import hashlib  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.distributed.initialize(
+      coordinator_address=f'127.0.0.1:{port}', num_processes=nproc, process_id=pid,
+      initialization_timeout=120)
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  import kd_ckpt  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import hostmem  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import limiter  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import startup  # pylint: disable=g-import-not-at-top
+  from tests import states  # pylint: disable=g-import-not-at-top
+  if os.environ.get('KD_TEST_STALL_SECS'):
+    limiter.STALL_SECS = float(os.environ['KD_TEST_STALL_SECS'])
+  seed = int(state.split(':', 1)[1])
+  as_budget = lambda b: int(b) if b.isdigit() else b
+  startup.start_storage(path)
+  # Cross-process computations have run long before a save (the CPU
+  # collectives' set-up, ~27 MiB once, is not the save's).
+  multihost_utils.sync_global_devices('kd_fuzz_warm_up')
+  out = {'process_index': pid}
+  if op in ('save', 'stock'):
+    tree = states.drawn(seed, total)
+    jax.block_until_ready(tree)
+    states._settle()  # pylint: disable=protected-access
+    with hostmem.PeakRss() as peak:
+      try:
+        if op == 'stock':
+          with ocp.StandardCheckpointer() as c:
+            c.save(path, tree)
+            c.wait_until_finished()
+        else:
+          out['report'] = kd_ckpt.save(path, tree, strategy=strategy,
+                                       host_ram_budget=as_budget(budget)).to_json_dict()
+      except kd_ckpt.BudgetTooSmallError as e:
+        out['error'] = f'BudgetTooSmallError: {e}'
+    out['peak_extra_bytes'] = peak.extra_bytes
+    multihost_utils.sync_global_devices('kd_fuzz_saved')
+    return out
+  assert op == 'restore', op
+  if os.environ.get('KD_TEST_WARM') == '1':
+    startup.start_compiler()
+  shapes, want, abstract = {}, {}, {}
+  layouts = {}
+  for name, host, sharding in states.drawn_on_host(seed, total):
+    shapes[name] = (host.shape, host.dtype, sharding)
+  if os.environ.get('KD_TEST_RESHARD'):
+    layouts = states.redrawn_shardings({k: v[0] for k, v in shapes.items()},
+                                       int(os.environ['KD_TEST_RESHARD']))
+  for name, host, sharding in states.drawn_on_host(seed, total):
+    sharding = layouts.get(name, sharding)
+    abstract[name] = jax.ShapeDtypeStruct(host.shape, host.dtype, sharding=sharding)
+    for device, index in sharding.addressable_devices_indices_map(host.shape).items():
+      want[f'{name}@{device.id}'] = hashlib.sha256(
+          np.ascontiguousarray(host[index]).reshape(-1).view(np.uint8)).hexdigest()
+    del host
+  states._settle()  # pylint: disable=protected-access
+  with hostmem.PeakRss() as peak:
+    try:
+      back = kd_ckpt.restore(path, abstract, host_ram_budget=as_budget(budget))
+      jax.block_until_ready(back)
+    except kd_ckpt.BudgetTooSmallError as e:
+      out['error'] = f'BudgetTooSmallError: {e}'
+      back = None
+  out['peak_extra_bytes'] = peak.extra_bytes
+  if back is not None:
+    out['restored_bytes'] = states.resident_bytes(back)
+    got = {f'{name}@{sh.device.id}': hashlib.sha256(
+        np.ascontiguousarray(np.asarray(sh.data)).reshape(-1).view(np.uint8)).hexdigest()
+           for name, x in back.items() for sh in x.addressable_shards}
+    if got != want:
+      bad = sorted(k for k in want if got.get(k) != want[k])
+      raise SystemExit(f'restored values differ from the saved ones: {bad[:5]}')
+  multihost_utils.sync_global_devices('kd_fuzz_restored')
+  return out
+
+
 if __name__ == '__main__':
   mode, rest = sys.argv[1], sys.argv[2:]
   result = {'save': _save, 'restore': _restore, 'save_api': _save_api,
-            'preflight_one': _preflight_one}[mode](rest)
+            'preflight_one': _preflight_one, 'fuzz': _fuzz}[mode](rest)
   print(json.dumps(result))

@@ -243,10 +243,26 @@ def _devices_over(layout, axes) -> int:
 
 
 def _drawn_sharding(layout, rng):
-  """The sharding of one of `_DRAWN_LAYOUTS` (a drawn device for None)."""
+  """The sharding of one of `_DRAWN_LAYOUTS` (a drawn device for None).
+
+  With several processes a leaf on one device would be a different array in
+  each (not one global state): it is replicated instead (the draw is made
+  all the same, so that the rest of the state stays as drawn).
+  """
   if layout is None:
-    return jax.sharding.SingleDeviceSharding(jax.devices()[int(rng.integers(8))])
+    device = jax.devices()[int(rng.integers(8))]
+    if jax.process_count() > 1:
+      return NS(meshes()[0], P())
+    return jax.sharding.SingleDeviceSharding(device)
   return NS(meshes()[layout[0]], P(*layout[1]))
+
+
+def place(host: np.ndarray, sharding) -> jax.Array:
+  """`host` on `sharding`: `device_put` in one process; with several, each
+  process puts its own shards (every process holds the same `host`)."""
+  if jax.process_count() == 1:
+    return jax.device_put(host, sharding)
+  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def drawn(seed: int, total_bytes: int):
@@ -258,12 +274,28 @@ def drawn(seed: int, total_bytes: int):
   two or anything.  Values are made on the host and put on the devices:
   nothing is compiled, and the host copies are gone before a measurement.
   """
-  import ml_dtypes  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(seed)
+  tree = {}
+  for name, host, sharding in _drawn_leaves(rng, total_bytes):
+    tree[name] = place(host, sharding)
+    del host
+  if rng.random() < 0.8:
+    # Most processes that save have run a jitted step: the compiler's
+    # start-up is behind them (the rest pay it inside the budget).
+    jax.block_until_ready(jax.jit(lambda x: x + 1)(np.float32(seed)))
+  return tree
+
+
+def drawn_on_host(seed: int, total_bytes: int):
+  """`drawn`'s leaves as (name, host values, sharding), one at a time."""
+  yield from _drawn_leaves(np.random.default_rng(seed), total_bytes)
+
+
+def _drawn_leaves(rng, total_bytes: int):
+  import ml_dtypes  # pylint: disable=g-import-not-at-top
   n = int(rng.choice([1, int(rng.integers(2, 9)), int(rng.integers(9, 201))]))
   shares = rng.dirichlet(np.full(n, 0.3)) * total_bytes
   primes = [p for p in range(2, 2000) if all(p % q for q in range(2, int(p ** 0.5) + 1))]
-  tree = {}
   for i in range(n):
     dname = _DRAWN_DTYPES[int(rng.integers(len(_DRAWN_DTYPES)))]
     dt = np.dtype(ml_dtypes.bfloat16) if dname == 'bfloat16' else np.dtype(dname)
@@ -294,13 +326,69 @@ def drawn(seed: int, total_bytes: int):
       host = rng.integers(info.min, info.max, shape, dtype=dt, endpoint=True)
     else:
       host = rng.standard_normal(shape, np.float32).astype(dt)
-    tree[f'd{i:03d}'] = jax.device_put(host, sharding)
-    del host
-  if rng.random() < 0.8:
-    # Most processes that save have run a jitted step: the compiler's
-    # start-up is behind them (the rest pay it inside the budget).
-    jax.block_until_ready(jax.jit(lambda x: x + 1)(np.float32(seed)))
-  return tree
+    yield f'd{i:03d}', host, sharding
+
+
+def mixed(seed: int, total_bytes: int):
+  """`drawn(seed)` beside what else a training state holds, drawn from `seed` too.
+
+  For `tools/fuzz_budget.py` (state name `mixed:SEED`): `{'arrays': drawn
+  leaves, 'extra': ...}` where `extra` nests typed PRNG keys (threefry or rbg,
+  one or a batch, on one device, replicated or sharded), numpy arrays on the
+  host (up to half as many bytes again), and numpy and Python scalars.  The
+  drawn leaves are those of `drawn(seed, total_bytes)`.
+  """
+  import ml_dtypes  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng([seed, 1])  # not drawn's stream: its leaves stay
+  host_share = float(rng.uniform(0.05, 0.5)) if rng.random() < 0.7 else 0.0
+  keys, host = {}, {}
+  for i in range(int(rng.integers(0, 4))):
+    impl = 'threefry2x32' if rng.random() < 0.75 else 'rbg'
+    key = jax.random.key(seed + i, impl=impl)
+    kind = rng.random()
+    if kind < 0.3:
+      keys[f'k{i}'] = key  # one key, as a train state's `rng`
+      continue
+    n = 8 * int(rng.integers(1, 2049))
+    batch = jax.random.split(key, n)
+    layout = (None, (0, ('x',)), (0, ()))[int(rng.integers(3))]
+    keys[f'k{i}'] = jax.device_put(batch, _drawn_sharding(layout, rng))
+  n_host = int(rng.integers(1, 6)) if host_share else 0
+  shares = rng.dirichlet(np.full(max(n_host, 1), 0.5)) * total_bytes * host_share
+  for i in range(n_host):
+    dname = _DRAWN_DTYPES[int(rng.integers(len(_DRAWN_DTYPES)))]
+    dt = np.dtype(ml_dtypes.bfloat16) if dname == 'bfloat16' else np.dtype(dname)
+    elems = max(1, int(shares[i]) // dt.itemsize)
+    rank = int(rng.integers(0, 4)) if elems > 1 else 0
+    shape, left = [], elems
+    for d in range(rank):
+      k = max(1, round(left ** (1 / (rank - d))) + int(rng.integers(-1, 2)))
+      shape.append(k)
+      left = max(1, left // k)
+    values = rng.integers(0, 2, shape).astype(dt) if dt == np.bool_ else (
+        rng.standard_normal(shape, np.float32).astype(dt))
+    host[f'h{i}'] = np.asarray(values)
+  scalars = {'step': int(rng.integers(0, 1 << 40)), 'lr': float(rng.uniform(0, 1e-3))}
+  if rng.random() < 0.5:
+    scalars['loss'] = np.float32(rng.standard_normal())
+    scalars['count'] = np.int32(rng.integers(0, 1 << 30))
+  arrays = drawn(seed, total_bytes)
+  return {'arrays': arrays, 'extra': {'keys': keys, 'host': host, 'scalars': scalars}}
+
+
+def abstract_of(tree):
+  """The restore target of `tree`: shapes, dtypes and shardings of its device
+  arrays (PRNG keys included); numpy leaves as unallocated arrays of their
+  shape (their pages are never touched), scalars as themselves."""
+  def one(x):
+    if isinstance(x, jax.Array):
+      return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    if isinstance(x, (np.ndarray, np.number)):
+      # numpy scalars are stored as 0-d arrays, and a target takes them so
+      # (Orbax's StandardRestore refuses np.number leaves, as kd_ckpt does).
+      return np.empty(np.shape(x), x.dtype)
+    return x
+  return jax.tree.map(one, tree)
 
 
 def redrawn(tree, seed: int):
@@ -309,6 +397,12 @@ def redrawn(tree, seed: int):
   For restores onto another sharding than the saved one
   (`KD_TEST_RESHARD=SEED` in a `restore` worker; `tools/fuzz_budget.py`).
   """
+  shardings = redrawn_shardings({k: x.shape for k, x in tree.items()}, seed)
+  return {k: jax.device_put(x, shardings[k]) for k, x in tree.items()}
+
+
+def redrawn_shardings(shapes: dict, seed: int) -> dict:
+  """`redrawn`'s shardings for leaves of `shapes` (name -> shape)."""
   rng = np.random.default_rng(seed)
 
   def fits(layout, shape):
@@ -318,16 +412,52 @@ def redrawn(tree, seed: int):
         shape[d] % _devices_over(layout, axes) == 0 for d, axes in enumerate(layout[1]))
 
   out = {}
+  for k, shape in shapes.items():
+    choices = [l for l in _DRAWN_LAYOUTS if fits(l, shape)]
+    out[k] = _drawn_sharding(choices[int(rng.integers(len(choices)))], rng)
+  return out
+
+
+def reshaped(tree, seed: int):
+  """`tree` with some leaves' extents changed, drawn from `seed`: the saved
+  values truncated, or padded with zeros, on the same shardings.
+
+  For restores with `strict=False` (`KD_TEST_LOOSE=SEED` in a `restore`
+  worker; `tools/fuzz_budget.py`): what such a restore must return.  A
+  changed extent stays a multiple of the devices its dim is sharded over.
+  """
+  rng = np.random.default_rng([seed, 3])
+  ranked = [k for k, x in tree.items() if x.ndim]
+  picked = {k for k in ranked if rng.random() < 0.4}
+  if ranked and not picked:  # at least one leaf changes
+    picked = {ranked[int(rng.integers(len(ranked)))]}
+  out = {}
   for k, x in tree.items():
-    choices = [l for l in _DRAWN_LAYOUTS if fits(l, x.shape)]
-    sharding = _drawn_sharding(choices[int(rng.integers(len(choices)))], rng)
-    out[k] = jax.device_put(x, sharding)
+    if k not in picked:
+      out[k] = x
+      continue
+    d = int(rng.integers(x.ndim))
+    spec = getattr(x.sharding, 'spec', ())
+    mult = 1
+    if d < len(spec) and spec[d] is not None:
+      names = spec[d] if isinstance(spec[d], tuple) else (spec[d],)
+      mult = math.prod(x.sharding.mesh.shape[a] for a in names)
+    step = int(rng.choice([-3, -2, -1, 1, 2, 3]))
+    shape = list(x.shape)
+    shape[d] = max(mult, x.shape[d] + step * mult * int(rng.integers(1, 4)))
+    host = np.zeros(shape, x.dtype)
+    common = tuple(slice(0, min(a, b)) for a, b in zip(x.shape, shape))
+    host[common] = np.asarray(x)[common]
+    out[k] = jax.device_put(host, x.sharding)
+    del host
   return out
 
 
 def make_state(name: str, total_bytes: int):
   if name.startswith('drawn:'):
     return drawn(int(name.split(':', 1)[1]), total_bytes)
+  if name.startswith('mixed:'):
+    return mixed(int(name.split(':', 1)[1]), total_bytes)
   if name == 'one_replicated':
     return one_replicated(total_bytes)
   if name in UNSEEN + OTHER + RESTORE_ONLY + SAVE_ONLY:
@@ -343,11 +473,15 @@ def stored_bytes(path) -> int:
 def resident_bytes(tree) -> int:
   """Host RAM the arrays of `tree` hold on the CPU backend: each device buffer
   once (devices may share one, e.g. Orbax's `device_put` of one host shard)."""
-  seen = {}
+  seen, other = {}, 0
   for x in jax.tree.leaves(tree):
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      x = jax.random.key_data(x)  # a view of the key array's buffers
+    if isinstance(x, np.ndarray):
+      other += x.nbytes  # a numpy leaf restored on the host
     for s in getattr(x, 'addressable_shards', ()):
       seen[s.data.unsafe_buffer_pointer()] = s.data.nbytes
-  return sum(seen.values())
+  return sum(seen.values()) + other
 
 
 # Restores on devices that copy a host shard instead of keeping it (GPUs):
@@ -433,9 +567,14 @@ def _digests(tree) -> dict[str, str]:
   out = {}
   for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
     name = jax.tree_util.keystr(path)
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      name += f':key<{jax.random.key_impl(x)}>'  # restored typed, of its impl
+      x = jax.random.key_data(x)
     shards = getattr(x, 'addressable_shards', None)
     if shards is None:
-      out[name] = hashlib.sha256(np.ascontiguousarray(x).view(np.uint8)).hexdigest()
+      host = np.ascontiguousarray(x)
+      name += f':{host.dtype}{host.shape}'
+      out[name] = hashlib.sha256(host.reshape(-1).view(np.uint8)).hexdigest()
       continue
     for sh in shards:
       index = tuple((s.start, s.stop) for s in sh.index)
@@ -566,10 +705,21 @@ def _worker(argv):
     if os.environ.get('KD_TEST_WARM') == '1':
       startup.start_compiler()  # paid before, as a training process has
     if os.environ.get('KD_TEST_RESHARD'):
-      tree = redrawn(tree, int(os.environ['KD_TEST_RESHARD']))
+      seed = int(os.environ['KD_TEST_RESHARD'])
+      if state.startswith('mixed:'):
+        tree['arrays'] = redrawn(tree['arrays'], seed)
+      else:
+        tree = redrawn(tree, seed)
       jax.block_until_ready(tree)
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+    strict = not os.environ.get('KD_TEST_LOOSE')
+    if not strict:  # strict=False: other extents, truncated or padded
+      seed = int(os.environ['KD_TEST_LOOSE'])
+      if state.startswith('mixed:'):
+        tree['arrays'] = reshaped(tree['arrays'], seed)
+      else:
+        tree = reshaped(tree, seed)
+      jax.block_until_ready(tree)
+    abstract = abstract_of(tree)
     want = _digests(tree)  # every restore is checked bit-exact, after measuring
     del tree
     _settle()
@@ -588,7 +738,7 @@ def _worker(argv):
         jax.block_until_ready(back)
     else:
       with hostmem.PeakRss() as peak:
-        back = kd_ckpt.restore(directory, abstract, host_ram_budget=budget)
+        back = kd_ckpt.restore(directory, abstract, host_ram_budget=budget, strict=strict)
         jax.block_until_ready(back)
     out = {'peak_extra_bytes': peak.extra_bytes, 'restored_bytes': resident_bytes(back),
            'budget_bytes': budget_lib.resolve(budget, hostmem.probe())}

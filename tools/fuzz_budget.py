@@ -2,11 +2,13 @@
 
 A budget is a limit on states nobody designed.  Each seed draws a state
 (`tests.states.drawn`: 1-200 leaves, ranks 0-4, seven dtypes, one-device,
-replicated, 1-D and 2-D layouts, prime and odd extents), a writer (kd_ckpt
+replicated, 1-D and 2-D layouts, prime and odd extents; 40% of them beside
+typed PRNG keys, numpy arrays and scalars: `tests.states.mixed`), a writer (kd_ckpt
 `streaming`, `auto`, `orbax`, Kauldron's `SafeCheckpointer`, or stock
 Orbax), a save budget, a restore
 budget, the restore's target layouts (the saved ones, or others drawn:
-`tests.states.redrawn`) and its placement path (the CPU devices keep their
+`tests.states.redrawn`; a quarter with `strict=False` onto other extents,
+truncated or zero-padded: `tests.states.reshaped`) and its placement path (the CPU devices keep their
 host shards, or copy them as GPUs do: `KD_CKPT_SHARE_HOST_BUFFERS=0`).  The
 save and the restore each run in a process of their own (`tests.states`
 workers), measured from outside kd_ckpt (VmHWM):
@@ -68,6 +70,7 @@ def _named_budget(error: str, budget: int) -> int | None:
 
 
 def _case(rng, seed: int) -> dict:
+  import numpy as np  # pylint: disable=g-import-not-at-top
   return dict(
       seed=seed,
       total_bytes=_log_uniform(rng, 2 * MiB, 192 * MiB),
@@ -79,6 +82,12 @@ def _case(rng, seed: int) -> dict:
       # Kauldron's checkpointer (SafeCheckpointer, strategy='auto', async
       # where it plans Orbax's save), restored through it too.
       kauldron=bool(rng.random() < 0.15),
+      # PRNG keys, numpy arrays and scalars beside the arrays
+      # (`tests.states.mixed`); a stream of its own, so that the draws above
+      # stay what they were for every seed.
+      mixed=bool(np.random.default_rng([seed, 2]).random() < 0.4),
+      # A restore with strict=False onto other extents (`tests.states.reshaped`).
+      loose=bool(np.random.default_rng([seed, 4]).random() < 0.25),
   )
 
 
@@ -92,9 +101,63 @@ def _run(states, args: list[str], env: dict | None = None) -> tuple[dict | None,
     return None, str(e)
 
 
-def run_case(states, case: dict, root: str, tolerance: int, verbose: bool) -> list[str]:
+def _state_name(case: dict) -> str:
+  return f"{'mixed' if case.get('mixed') else 'drawn'}:{case['seed']}"
+
+
+def _run_mp(nproc: int, op: str, path: str, state: str, total: str, strategy: str,
+            budget: int, env: dict | None = None, timeout: float = 300
+            ) -> tuple[dict | None, str]:
+  """`_run` over `nproc` processes joined by jax.distributed on 127.0.0.1
+  (`tests.mp_worker fuzz`, 8 // nproc CPU devices each).
+
+  Returns the processes' figures merged (the most any one process peaked at,
+  beyond its own restored shards for a restore), or (None, the error): a
+  refusal from any process, or a process that failed or did not finish.
+  """
+  import json  # pylint: disable=g-import-not-at-top
+  import socket  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  with socket.socket() as sock:
+    sock.bind(('127.0.0.1', 0))
+    port = sock.getsockname()[1]
+  base = {**os.environ, 'KD_TEST_STALL_SECS': '30', **(env or {}),
+          'XLA_FLAGS': f'--xla_force_host_platform_device_count={8 // nproc}',
+          'JAX_PLATFORMS': 'cpu', 'PYTHONPATH': REPO + os.pathsep + os.environ.get('PYTHONPATH', '')}
+  procs = [subprocess.Popen(
+      [sys.executable, '-m', 'tests.mp_worker', 'fuzz', op, path, state, total, strategy,
+       str(budget), str(i), str(nproc), str(port)],
+      cwd=REPO, env=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for i in range(nproc)]
+  deadline, outs = time.monotonic() + timeout, []
+  for p in procs:
+    try:
+      outs.append(p.communicate(timeout=max(1, deadline - time.monotonic())))
+    except subprocess.TimeoutExpired:
+      for q in procs:
+        q.kill()
+      return None, f'process {procs.index(p)} of {nproc} did not finish in {timeout:.0f} s'
+  failed = [(i, p.returncode, err) for i, (p, (_, err)) in enumerate(zip(procs, outs))
+            if p.returncode]
+  if failed:
+    return None, '\n'.join(f'process {i} (exit {rc}): {err[-1500:]}' for i, rc, err in failed)
+  results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+  errors = [r['error'] for r in results if 'error' in r]
+  if errors:
+    if len(errors) < nproc:
+      return None, f'only {len(errors)} of {nproc} processes refused: {errors[0]}'
+    return None, max(errors, key=lambda e: _named_budget(e, 0) or 0)
+  beyond = [r['peak_extra_bytes'] - r.get('restored_bytes', 0) for r in results]
+  return {'peak_extra_bytes': max(beyond), 'restored_bytes': 0,
+          'whole_save_peak_extra_bytes': max(beyond)}, ''
+
+
+def run_case(states, case: dict, root: str, tolerance: int, verbose: bool,
+             processes: int = 1) -> list[str]:
   """Runs one drawn case; returns what went wrong (empty: it held)."""
-  state, total = f"drawn:{case['seed']}", str(case['total_bytes'])
+  if processes > 1:
+    return _run_case_mp(case, root, tolerance, verbose, processes)
+  state, total = _state_name(case), str(case['total_bytes'])
   path = os.path.join(root, f"s{case['seed']}")
   shutil.rmtree(path, ignore_errors=True)
   problems, notes = [], []
@@ -131,6 +194,8 @@ def run_case(states, case: dict, root: str, tolerance: int, verbose: bool) -> li
   env = dict(states.COPYING_DEVICES) if case['copying'] else {}
   if case.get('reshard'):
     env['KD_TEST_RESHARD'] = str(case['seed'])
+  if case.get('loose') and not case.get('kauldron'):
+    env['KD_TEST_LOOSE'] = str(case['seed'])
   rbudget = case['restore_budget']
   for attempt in range(3):
     out, err = _run(states, ['restore', path, state, total, str(rbudget)]
@@ -147,12 +212,73 @@ def run_case(states, case: dict, root: str, tolerance: int, verbose: bool) -> li
     rbudget = named
   beyond = out['peak_extra_bytes'] - out['restored_bytes']
   notes.append(f"restore {'copying' if case['copying'] else 'shared'}"
-               f"{' resharded' if case.get('reshard') else ''} @{rbudget / MiB:.1f} MiB "
+               f"{' resharded' if case.get('reshard') else ''}"
+               f"{' strict=False' if 'KD_TEST_LOOSE' in env else ''} @{rbudget / MiB:.1f} MiB "
                f'beyond arrays {beyond / MiB:.1f} MiB')
   if beyond > rbudget + tolerance:
     problems.append(f'restore peaked {beyond / MiB:.1f} MiB beyond the restored arrays, over '
                     f'its budget {rbudget / MiB:.1f} MiB')
   shutil.rmtree(path, ignore_errors=True)
+  if verbose or problems:
+    print('   ', '; '.join(notes), flush=True)
+  return problems
+
+
+def _run_case_mp(case: dict, root: str, tolerance: int, verbose: bool, nproc: int) -> list[str]:
+  """`run_case` over `nproc` processes: a drawn state (not `mixed`), no Kauldron."""
+  state, total = f"drawn:{case['seed']}", str(case['total_bytes'])
+  path = os.path.join(root, f"s{case['seed']}")
+  if not path.startswith('gs://'):
+    shutil.rmtree(path, ignore_errors=True)
+  problems, notes = [], []
+  writer, budget = case['writer'], case['save_budget']
+  if writer == 'stock':
+    out, err = _run_mp(nproc, 'stock', path, state, total, '-', 0)
+    if out is None:
+      return [f'stock Orbax save failed: {err[-600:]}']
+  else:
+    for attempt in range(3):
+      out, err = _run_mp(nproc, 'save', path, state, total, writer, budget)
+      if out is not None:
+        break
+      named = _named_budget(err, budget)
+      if named is None or named <= budget or attempt == 2:
+        return [f'{writer} save at {budget / MiB:.1f} MiB failed'
+                + (f' (refused {attempt} times before)' if attempt else '') + f': {err[-800:]}']
+      if not path.startswith('gs://') and os.path.exists(path) and os.listdir(path):
+        problems.append(f'refused save at {budget / MiB:.1f} MiB left files in {path}')
+      notes.append(f'save refused at {budget / MiB:.1f} MiB, named {named / MiB:.1f} MiB')
+      budget = named
+    peak = out['peak_extra_bytes']
+    notes.append(f'save {writer} @{budget / MiB:.1f} MiB peak {peak / MiB:.1f} MiB (most of {nproc})')
+    if peak > budget + tolerance:
+      problems.append(f'{writer} save peaked at {peak / MiB:.1f} MiB in a process, over its '
+                      f'budget {budget / MiB:.1f} MiB')
+  env = {'KD_TEST_RESHARD': str(case['seed'])} if case['reshard'] else {}
+  if case['copying']:
+    env['KD_CKPT_SHARE_HOST_BUFFERS'] = '0'
+  rbudget = case['restore_budget']
+  for attempt in range(3):
+    out, err = _run_mp(nproc, 'restore', path, state, total, '-', rbudget, env=env)
+    if out is not None:
+      break
+    named = _named_budget(err, rbudget)
+    if named is None or named <= rbudget or attempt == 2:
+      problems.append(f'restore at {rbudget / MiB:.1f} MiB failed'
+                      + (f' (refused {attempt} times before)' if attempt else '')
+                      + f': {err[-800:]}')
+      return problems + (notes if verbose else [])
+    notes.append(f'restore refused at {rbudget / MiB:.1f} MiB, named {named / MiB:.1f} MiB')
+    rbudget = named
+  beyond = out['peak_extra_bytes']
+  notes.append(f"restore {'copying' if case['copying'] else 'shared'}"
+               f"{' resharded' if case['reshard'] else ''} @{rbudget / MiB:.1f} MiB "
+               f'beyond arrays {beyond / MiB:.1f} MiB (most of {nproc})')
+  if beyond > rbudget + tolerance:
+    problems.append(f'restore peaked {beyond / MiB:.1f} MiB beyond a process\'s restored shards,'
+                    f' over its budget {rbudget / MiB:.1f} MiB')
+  if not path.startswith('gs://'):
+    shutil.rmtree(path, ignore_errors=True)
   if verbose or problems:
     print('   ', '; '.join(notes), flush=True)
   return problems
@@ -166,6 +292,9 @@ def main(argv=None) -> int:
   ap.add_argument('--dir', default=None, help='where checkpoints go (default: a temp dir)')
   ap.add_argument('--gcs', action='store_true',
                   help='save to and restore from a GCS server on loopback (fake-gcs-server)')
+  ap.add_argument('--processes', type=int, default=1, choices=(1, 2, 4, 8),
+                  help='JAX processes joined on 127.0.0.1 (8 CPU devices in all); with '
+                       'more than one: drawn states only, no Kauldron, no strict=False')
   ap.add_argument('-v', '--verbose', action='store_true', help='print each case\'s state and figures')
   args = ap.parse_args(argv)
 
@@ -185,18 +314,24 @@ def main(argv=None) -> int:
   seeds = _seeds(args.seeds)
   for seed in seeds:
     case = _case(np.random.default_rng(10_000_019 + seed), seed)
-    line = (f"seed {seed}: {case['total_bytes'] / MiB:.1f} MiB, "
+    if args.processes > 1:
+      case.update(mixed=False, kauldron=False, loose=False)
+    line = (f"seed {seed}: {'mixed ' if case['mixed'] else ''}{case['total_bytes'] / MiB:.1f} MiB, "
             f"{'SafeCheckpointer' if case['kauldron'] else case['writer']} "
             f"@{case['save_budget'] / MiB:.1f} MiB, restore "
             f"{'copying' if case['copying'] else 'shared'}{' resharded' if case['reshard'] else ''}"
+            f"{' strict=False' if case['loose'] and not case['kauldron'] else ''}"
             f" @{case['restore_budget'] / MiB:.1f} MiB")
     if args.verbose:
-      tree = states.drawn(seed, case['total_bytes'])
-      for k, x in tree.items():
-        print(f'    {k} {x.shape} {x.dtype} {getattr(x.sharding, "spec", "one device")}')
+      tree = states.make_state(_state_name(case), case['total_bytes'])
+      for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        where = getattr(getattr(x, 'sharding', None), 'spec', 'one device' if isinstance(
+            x, jax.Array) else type(x).__name__)
+        print(f'    {jax.tree_util.keystr(p)} {np.shape(x)} {getattr(x, "dtype", "")} {where}')
       del tree
     t = time.monotonic()
-    problems = run_case(states, case, 'gs://fuzz' if server else root, tolerance, args.verbose)
+    problems = run_case(states, case, 'gs://fuzz' if server else root, tolerance, args.verbose,
+                        args.processes)
     print(f"{line}: {'FAIL' if problems else 'ok'} ({time.monotonic() - t:.1f} s)", flush=True)
     for p in problems:
       print('    ' + p.replace('\n', '\n    '), flush=True)
