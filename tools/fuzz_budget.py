@@ -124,23 +124,33 @@ def _run_mp(nproc: int, op: str, path: str, state: str, total: str, strategy: st
   base = {**os.environ, 'KD_TEST_STALL_SECS': '30', **(env or {}),
           'XLA_FLAGS': f'--xla_force_host_platform_device_count={8 // nproc}',
           'JAX_PLATFORMS': 'cpu', 'PYTHONPATH': REPO + os.pathsep + os.environ.get('PYTHONPATH', '')}
-  procs = [subprocess.Popen(
-      [sys.executable, '-m', 'tests.mp_worker', 'fuzz', op, path, state, total, strategy,
-       str(budget), str(i), str(nproc), str(port)],
-      cwd=REPO, env=base, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-           for i in range(nproc)]
-  deadline, outs = time.monotonic() + timeout, []
-  for p in procs:
-    try:
-      outs.append(p.communicate(timeout=max(1, deadline - time.monotonic())))
-    except subprocess.TimeoutExpired:
-      for q in procs:
-        q.kill()
-      return None, f'process {procs.index(p)} of {nproc} did not finish in {timeout:.0f} s'
+  logs = tempfile.mkdtemp(prefix='kd_fuzz_mp_')
+  procs = []
+  for i in range(nproc):
+    with open(os.path.join(logs, f'{i}.out'), 'w') as o, open(os.path.join(logs, f'{i}.err'), 'w') as e:
+      procs.append(subprocess.Popen(
+          [sys.executable, '-m', 'tests.mp_worker', 'fuzz', op, path, state, total, strategy,
+           str(budget), str(i), str(nproc), str(port)],
+          cwd=REPO, env=base, stdout=o, stderr=e))
+  deadline = time.monotonic() + timeout
+  # A process that fails leaves the others waiting at a barrier: stop them.
+  while any(p.poll() is None for p in procs):
+    if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
+      for p in procs:
+        if p.poll() is None:
+          p.kill()
+          p.wait()
+      break
+    time.sleep(0.1)
+  outs = [(open(os.path.join(logs, f'{i}.out')).read(), open(os.path.join(logs, f'{i}.err')).read())
+          for i in range(nproc)]
+  shutil.rmtree(logs, ignore_errors=True)
   failed = [(i, p.returncode, err) for i, (p, (_, err)) in enumerate(zip(procs, outs))
             if p.returncode]
   if failed:
-    return None, '\n'.join(f'process {i} (exit {rc}): {err[-1500:]}' for i, rc, err in failed)
+    return None, '\n'.join(
+        f'process {i} (killed: another failed, or past {timeout:.0f} s): {err[-600:]}' if rc < 0
+        else f'process {i} (exit {rc}): {err[-1500:]}' for i, rc, err in failed)
   results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
   errors = [r['error'] for r in results if 'error' in r]
   if errors:
