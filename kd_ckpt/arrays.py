@@ -108,17 +108,19 @@ class SaveContext:
                group_bytes=layout.group_bytes, **kwargs)
 
 
-def read_context_for(capacity_bytes: int, num_leaves: int = 0, *,
-                     budget_bytes: int = 0, startup_bytes: int = 0) -> reading.ReadContext:
+def read_context_for(capacity_bytes: int, num_leaves: int = 0, *, budget_bytes: int = 0,
+                     startup_bytes: int = 0, price_only: bool = False) -> reading.ReadContext:
   """A restore's reads: pieces sized to what the leaves' bookkeeping leaves.
 
   `budget_bytes`, `startup_bytes`: the budget behind `capacity_bytes` and
   what the process's start-up took of it, for refusals to name a budget.
+  `price_only`: read nothing, raise `reading.Priced` (`ReadContext`).
   """
   pieces = capacity_bytes - cost.leaves_charge(num_leaves)
   return reading.ReadContext(limiter_lib.process_limiter(), capacity_bytes,
                              cost.restore_piece_bytes(pieces), pieces,
-                             budget_bytes=budget_bytes, startup_bytes=startup_bytes)
+                             budget_bytes=budget_bytes, startup_bytes=startup_bytes,
+                             price_only=price_only)
 
 
 # A leaf this process holds at least this many bytes of, all zero (an

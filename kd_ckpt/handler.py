@@ -43,6 +43,7 @@ from kd_ckpt import hostmem
 from kd_ckpt import integrity
 from kd_ckpt import orbax_writer
 from kd_ckpt import plan as plan_lib
+from kd_ckpt import reading
 from kd_ckpt import reuse as reuse_lib
 from kd_ckpt import startup
 from kd_ckpt import storage
@@ -284,6 +285,14 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     startup_bytes = compiler_bytes + storage_bytes
     need = cost.min_restore_budget_bytes(num_leaves) + startup_bytes
     if budget_bytes < need:
+      named = cost.suggested_budget_bytes(need, startup_bytes)
+      if arrays:
+        # Above the floor, the placement programs may not fit either: named
+        # alone, the floor was refused again by 20 of 56 restores of drawn
+        # states refused at 16 MiB (seeds 0-13, saved by stock Orbax, on devices
+        # that share and that copy, onto the saved layouts and others).  Priced
+        # there instead: leaves opened, programs counted, nothing read.
+        named = self._read(directory, args, named, startup_bytes, num_leaves, price_only=True)
       raise plan_lib.BudgetTooSmallError(
           f'host_ram_budget={budget_spec.text} ({text.format_bytes(budget_bytes)}) is'
           f' below the smallest budget a restore of this checkpoint can honour,'
@@ -291,7 +300,9 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
           f' {text.format_bytes(cost.FLOOR_BYTES)}, {num_leaves} leaves\' bookkeeping'
           f' ({text.format_bytes(cost.leaves_charge(num_leaves))}) and a few pieces.'
           ' Raise host_ram_budget to'
-          f' {text.budget_literal(cost.suggested_budget_bytes(need, startup_bytes))} or more.'
+          f' {text.budget_literal(named)} or more'
+          + (' (where the programs placing its pieces on the devices fit too).'
+             if named > cost.suggested_budget_bytes(need, startup_bytes) else '.')
           + (f' This restore first paid {text.format_bytes(compiler_bytes)} for XLA\'s'
              ' compiler start-up (the first compile of the ops kd_ckpt uses in this'
              ' process): a process that has compiled a training step pays under'
@@ -301,9 +312,17 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
              ' (the first gs:// access of this process: gcsfs, TensorStore\'s HTTP'
              ' transport); a process that has touched the bucket before does not.'
              if storage_bytes else ''))
+    out = self._read(directory, args, budget_bytes, startup_bytes, num_leaves)
+    hostmem.release_free_memory()
+    return out
+
+  def _read(self, directory, args, budget_bytes: int, startup_bytes: int, num_leaves: int,
+            price_only: bool = False):
+    """The restore at `budget_bytes`; with `price_only`, the least budget
+    (at least `budget_bytes`) its pieces and programs fit in, nothing read."""
     capacity = cost.limiter_capacity(budget_bytes) - startup_bytes
     read = arrays_lib.read_context_for(capacity, num_leaves, budget_bytes=budget_bytes,
-                                       startup_bytes=startup_bytes)
+                                       startup_bytes=startup_bytes, price_only=price_only)
     impl = self._pytree_handler(arrays_lib.KdArrayHandler(read=read),
                                 arrays_lib.KdNumpyHandler(read=read))
     restore_args = compat.orbax.construct_restore_args(
@@ -315,10 +334,12 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
           restore_args)
     with read.limiter.lease(capacity, mmap_threshold_bytes=hostmem.read_mmap_threshold(
         remote=storage.is_remote(directory), capacity_bytes=capacity)):
-      out = impl.restore(directory, args=ocp.args.PyTreeRestore(
-          item=args.item, restore_args=restore_args))
-    hostmem.release_free_memory()
-    return out
+      try:
+        out = impl.restore(directory, args=ocp.args.PyTreeRestore(
+            item=args.item, restore_args=restore_args))
+      except reading.Priced as priced:
+        return priced.budget_bytes
+    return budget_bytes if price_only else out
 
 
 def context_for(plan: plan_lib.SavePlan, **kwargs) -> arrays_lib.SaveContext:

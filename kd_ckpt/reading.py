@@ -67,6 +67,16 @@ from kd_ckpt import storage
 from kd_ckpt import text
 
 
+class Priced(Exception):  # pylint: disable=g-bad-exception-name
+  """A restore priced, not read (`ReadContext.price_only`): `budget_bytes`
+  is the least budget its pieces and placement programs fit in (at least
+  the one priced)."""
+
+  def __init__(self, budget_bytes: int):
+    super().__init__(budget_bytes)
+    self.budget_bytes = budget_bytes
+
+
 @dataclasses.dataclass(frozen=True)
 class ReadContext:
   """How one restore reads: the limiter, its capacity and the largest piece.
@@ -87,6 +97,9 @@ class ReadContext:
   budget_bytes: int = 0
   # What of it the process's one-time start-up took (`startup`).
   startup_bytes: int = 0
+  # Price the read at `budget_bytes`, read nothing: `read_arrays` raises
+  # `Priced` once it knows whether its pieces and programs fit there.
+  price_only: bool = False
 
   def __post_init__(self):
     if not self.pieces_capacity_bytes:
@@ -1400,12 +1413,15 @@ def _admit_programs(ctx: ReadContext, leaves) -> tuple[ReadContext, set]:
   if isinstance(admitted, tuple):
     return admitted
   charge = cost.programs_charge(admitted)
-  raise plan_lib.BudgetTooSmallError(
+  least = _least_budget(ctx, leaves)
+  error = plan_lib.BudgetTooSmallError(
       f'This restore fills shards too big for its pieces on their devices,'
       f' compiling {admitted} programs that XLA keeps'
       f' ({text.format_bytes(charge)} of host RAM), and the budget leaves'
       f' {text.format_bytes(ctx.pieces_capacity_bytes)} for them and the pieces'
-      f' read: {_raise_to(ctx, leaves)}')
+      f' read: {_raise_to(ctx, least)}')
+  error.least_budget_bytes = least[0] if least and ctx.budget_bytes else None
+  raise error
 
 
 def _admit(ctx: ReadContext, leaves) -> tuple[ReadContext, set] | int:
@@ -1428,8 +1444,9 @@ def _admit(ctx: ReadContext, leaves) -> tuple[ReadContext, set] | int:
     read = dataclasses.replace(read, piece_bytes=piece)
 
 
-def _raise_to(ctx: ReadContext, leaves) -> str:
-  """What to raise the budget to: the least one whose pieces and programs fit.
+def _least_budget(ctx: ReadContext, leaves) -> tuple[int, int] | None:
+  """(least budget, MiB above this one) whose pieces and programs fit; None
+  if none within 1 GiB more.
 
   A larger budget makes larger pieces, which can take other programs than
   these (more, or fewer), so the shortfall alone is not the answer: the
@@ -1441,11 +1458,19 @@ def _raise_to(ctx: ReadContext, leaves) -> str:
     trial = dataclasses.replace(ctx, pieces_capacity_bytes=room, partial_tiles=True,
                                 piece_bytes=cost.restore_piece_bytes(room))
     if isinstance(_admit(trial, leaves), tuple):
-      if ctx.budget_bytes:
-        least = cost.suggested_budget_bytes(ctx.budget_bytes + extra, ctx.startup_bytes)
-        return f'raise host_ram_budget to {text.budget_literal(least)} or more.'
-      return f'raise host_ram_budget by {extra // cost.MiB} MiB or more.'
-  return 'raise host_ram_budget by 1 GiB or more.'
+      least = (cost.suggested_budget_bytes(ctx.budget_bytes + extra, ctx.startup_bytes)
+               if ctx.budget_bytes else 0)
+      return least, extra // cost.MiB
+  return None
+
+
+def _raise_to(ctx: ReadContext, least: tuple[int, int] | None) -> str:
+  """What to raise the budget to (`_least_budget`), in words."""
+  if least is None:
+    return 'raise host_ram_budget by 1 GiB or more.'
+  if ctx.budget_bytes:
+    return f'raise host_ram_budget to {text.budget_literal(least[0])} or more.'
+  return f'raise host_ram_budget by {least[1]} MiB or more.'
 
 
 def _open_many(infos, ctx: ReadContext, metadata_key) -> list[tuple[ts.TensorStore, ts.KvStore]]:
@@ -1739,7 +1764,8 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
   remote = storage.is_remote(parent)
   lanes = 1 if remote else MAX_READ_LANES
 
-  def fill_all(leaves):
+  def size_fill(leaves):
+    """(reservations, parts, read context, programs) of filling `leaves`."""
     reserves = [_orbax_reservation(info.byte_limiter, loop, ctx.capacity_bytes)
                 for info, *_ in leaves]
     parts = 1 if remote or any(r is not None for r in reserves) else max(1, min(
@@ -1774,6 +1800,10 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
     # state, `tools/fuzz_budget.py` seed 159).
     read = dataclasses.replace(read, pieces_capacity_bytes=(
         read.pieces_capacity_bytes - cost.programs_charge(len(programs))))
+    return reserves, parts, read, programs
+
+  def fill_all(leaves):
+    reserves, parts, read, programs = size_fill(leaves)
     out = [None] * len(leaves)
 
     def fill(j, read=read, max_lanes=lanes):
@@ -1843,6 +1873,16 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
           small[i] = c
       rest = [i for i in range(len(infos)) if i not in small and i not in whole]
       leaves = [leaf for i, leaf in zip(opened, leaves) if i not in small and i not in whole]
+      if ctx.price_only:  # nothing is read
+        least = ctx.budget_bytes
+        if rest:
+          try:
+            await asyncio.to_thread(size_fill, leaves)
+          except plan_lib.BudgetTooSmallError as e:
+            if getattr(e, 'least_budget_bytes', None) is None:
+              raise
+            least = max(least, e.least_budget_bytes)
+        raise Priced(least)
 
       async def read_batch(batch):
         async with ctx.limiter.hold(sum(small[i] for i in batch)):
@@ -1907,6 +1947,8 @@ async def read_numpy(handler, infos, args, ctx: ReadContext) -> list[np.ndarray]
   ocp.type_handlers.check_input_arguments(infos, args)
   await asyncio.gather(*[info.await_path_creation() for info in infos])
   await _check_files(infos, handler)
+  if ctx.price_only:
+    return [None] * len(infos)  # host arrays compile nothing: priced by the floor
 
   remote = storage.is_remote(infos[0].parent_dir)
 
