@@ -1413,15 +1413,12 @@ def _admit_programs(ctx: ReadContext, leaves) -> tuple[ReadContext, set]:
   if isinstance(admitted, tuple):
     return admitted
   charge = cost.programs_charge(admitted)
-  least = _least_budget(ctx, leaves)
-  error = plan_lib.BudgetTooSmallError(
+  raise plan_lib.BudgetTooSmallError(
       f'This restore fills shards too big for its pieces on their devices,'
       f' compiling {admitted} programs that XLA keeps'
       f' ({text.format_bytes(charge)} of host RAM), and the budget leaves'
       f' {text.format_bytes(ctx.pieces_capacity_bytes)} for them and the pieces'
-      f' read: {_raise_to(ctx, least)}')
-  error.least_budget_bytes = least[0] if least and ctx.budget_bytes else None
-  raise error
+      f' read: {_raise_to(ctx, _least_budget(ctx, leaves))}')
 
 
 def _admit(ctx: ReadContext, leaves) -> tuple[ReadContext, set] | int:
@@ -1444,23 +1441,35 @@ def _admit(ctx: ReadContext, leaves) -> tuple[ReadContext, set] | int:
     read = dataclasses.replace(read, piece_bytes=piece)
 
 
-def _least_budget(ctx: ReadContext, leaves) -> tuple[int, int] | None:
+def _least_budget(ctx: ReadContext, leaves, from_bytes: int = cost.MiB
+                  ) -> tuple[int, int] | None:
   """(least budget, MiB above this one) whose pieces and programs fit; None
-  if none within 1 GiB more.
+  if none within 1 GiB more.  `from_bytes`: the least raise tried.
 
   A larger budget makes larger pieces, which can take other programs than
   these (more, or fewer), so the shortfall alone is not the answer: the
   budgets above are tried in steps of 1 MiB (pieces' room grows byte for
-  byte with the budget).
+  byte with the budget).  The next process measures its start-up apart from
+  this one's (`cost.startup_spread_bytes`), so its room, and its pieces'
+  programs, differ: a budget is named where every room within that spread
+  fits (seed 90 of the fuzz: the budget priced in one process was refused
+  by one of six others).
   """
-  for extra in range(cost.MiB, 1024 * cost.MiB + 1, cost.MiB):
-    room = ctx.pieces_capacity_bytes + extra
-    trial = dataclasses.replace(ctx, pieces_capacity_bytes=room, partial_tiles=True,
-                                piece_bytes=cost.restore_piece_bytes(room))
-    if isinstance(_admit(trial, leaves), tuple):
-      least = (cost.suggested_budget_bytes(ctx.budget_bytes + extra, ctx.startup_bytes)
-               if ctx.budget_bytes else 0)
-      return least, extra // cost.MiB
+  spread = cost.startup_spread_bytes(ctx.startup_bytes)
+  shifts = sorted({int(spread * k / 4) for k in range(-4, 5)})
+  for extra in range(from_bytes, 1024 * cost.MiB + 1, cost.MiB):
+    def fits(shift):
+      room = ctx.pieces_capacity_bytes + extra + shift
+      if room <= 0:
+        return False
+      trial = dataclasses.replace(ctx, pieces_capacity_bytes=room, partial_tiles=True,
+                                  piece_bytes=cost.restore_piece_bytes(room))
+      return isinstance(_admit(trial, leaves), tuple)
+    if all(fits(shift) for shift in shifts):
+      # Every room within the spread fits: so does the floor (pieces' room is
+      # what the budget leaves above it), with no more headroom to add.
+      least = -(-(ctx.budget_bytes + extra) // cost.MiB) * cost.MiB
+      return (least if ctx.budget_bytes else 0), -(-extra // cost.MiB)
   return None
 
 
@@ -1875,13 +1884,11 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
       leaves = [leaf for i, leaf in zip(opened, leaves) if i not in small and i not in whole]
       if ctx.price_only:  # nothing is read
         least = ctx.budget_bytes
-        if rest:
-          try:
-            await asyncio.to_thread(size_fill, leaves)
-          except plan_lib.BudgetTooSmallError as e:
-            if getattr(e, 'least_budget_bytes', None) is None:
-              raise
-            least = max(least, e.least_budget_bytes)
+        if rest:  # as one part (where parts do not fit, `fill_all` falls back to one)
+          found = _least_budget(ctx, [
+              (shape, dtype, itemsize, _stored_chunk(t), sharding, _zstd_chunks(t))
+              for _, _, t, _, shape, dtype, sharding, itemsize in leaves], from_bytes=0)
+          least = found[0] if found else ctx.budget_bytes + 1024 * cost.MiB
         raise Priced(least)
 
       async def read_batch(batch):
