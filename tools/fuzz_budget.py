@@ -3,25 +3,31 @@
 A budget is a limit on states nobody designed.  Each seed draws a state
 (`tests.states.drawn`: 1-200 leaves, ranks 0-4, seven dtypes, one-device,
 replicated, 1-D and 2-D layouts, prime and odd extents; 40% of them beside
-typed PRNG keys, numpy arrays and scalars: `tests.states.mixed`), a writer (kd_ckpt
-`streaming`, `auto`, `orbax`, Kauldron's `SafeCheckpointer`, or stock
-Orbax), a save budget, a restore
-budget, the restore's target layouts (the saved ones, or others drawn:
-`tests.states.redrawn`; a quarter with `strict=False` onto other extents,
-truncated or zero-padded: `tests.states.reshaped`) and its placement path (the CPU devices keep their
+typed PRNG keys, numpy arrays and scalars: `tests.states.mixed`), a writer
+(kd_ckpt `streaming`, `auto`, `orbax`, Kauldron's `SafeCheckpointer`, or
+stock Orbax), a save budget, a restore budget, the restore's target layouts
+(the saved ones, or others drawn: `tests.states.redrawn`; a quarter with
+`strict=False` onto other extents, truncated or zero-padded:
+`tests.states.reshaped`) and its placement path (the CPU devices keep their
 host shards, or copy them as GPUs do: `KD_CKPT_SHARE_HOST_BUFFERS=0`).  The
 save and the restore each run in a process of their own (`tests.states`
 workers), measured from outside kd_ckpt (VmHWM):
 
   - a kd_ckpt save peaks at most at its budget + `--tolerance-mib`, or is
-    refused with `BudgetTooSmallError` before anything is written (it is then
-    saved again at the budget the error names, which must work);
+    refused with `BudgetTooSmallError` before anything is written; it is then
+    saved again, in a new process, at the budget the error names, which must
+    be accepted and held;
   - a restore comes back bit-exact, peaking beyond the restored arrays at
     most at its budget + the tolerance, or is refused the same way.
+
+`--processes 2` runs each save and restore in two JAX processes joined on
+127.0.0.1 (4 CPU devices each; `tests.mp_worker fuzz`), each process held to
+the budget and checked bit-exact on its own shards.
 
   .venv/bin/python tools/fuzz_budget.py --seeds 0-99      # ~5-8 min on 2 cores
   .venv/bin/python tools/fuzz_budget.py --seeds 17 -v     # one seed again, with its state
   .venv/bin/python tools/fuzz_budget.py --gcs --seeds 0-29 # through a GCS server on loopback
+  .venv/bin/python tools/fuzz_budget.py --processes 2 --seeds 0-29
 
 Exit status 1 if any case broke its budget, failed, or differed.
 """
