@@ -9,6 +9,7 @@
 #                      9506c6a on a slower one, run one after the other
 #   make sweep-restores  restores over untuned shapes x budgets; none may stall
 #   make fuzz-budget     saves and restores of drawn states, each measured: the budget must hold
+#                      (SEEDS=0-99; FUZZ_ARGS='--processes 2' or '--gcs')
 #   make test-fast     without the slow/integration tests
 #   make test-orbax-lowest   test-fast against the lowest supported
 #                      orbax-checkpoint (ORBAX_LOWEST=0.12.7), venv untouched
@@ -138,7 +139,7 @@ sweep-restores: $(STAMP)
 	$(PY) tools/sweep_restores.py
 
 fuzz-budget: $(STAMP)
-	$(PY) tools/fuzz_budget.py --seeds $${SEEDS:-0-99}
+	$(PY) tools/fuzz_budget.py --seeds $${SEEDS:-0-99} $${FUZZ_ARGS:-}
 
 bench: $(STAMP)
 	$(PY) bench/run.py
