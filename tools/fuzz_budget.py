@@ -168,132 +168,99 @@ def _run_mp(nproc: int, op: str, path: str, state: str, total: str, strategy: st
           'whole_save_peak_extra_bytes': max(beyond)}, ''
 
 
+def _retried(call, budget: int, what: str, refused=lambda: None
+             ) -> tuple[dict | None, int, list[str], str]:
+  """`call(budget)`, then once more at the budget its refusal names.
+
+  Returns (figures or None, the budget it ran at, notes, what went wrong).
+  A refusal must name a larger budget, and that one must be accepted.
+  `refused()`: after a refusal, what it left wrong (a note), or None.
+  """
+  notes = []
+  for attempt in range(2):  # the budget drawn, then the one its refusal names
+    out, err = call(budget)
+    if out is not None:
+      return out, budget, notes, ''
+    named = _named_budget(err, budget)
+    if named is None or named <= budget or attempt == 1:
+      return None, budget, notes, (f'{what} at {budget / MiB:.1f} MiB failed'
+                                   + (' (at the budget its first refusal named)' if attempt else '')
+                                   + f': {err[-800:]}')
+    notes.append(f'{what} refused at {budget / MiB:.1f} MiB, named {named / MiB:.1f} MiB')
+    if (wrong := refused()) is not None:
+      return None, budget, notes, wrong
+    budget = named
+  raise AssertionError('unreachable')
+
+
 def run_case(states, case: dict, root: str, tolerance: int, verbose: bool,
              processes: int = 1) -> list[str]:
-  """Runs one drawn case; returns what went wrong (empty: it held)."""
-  if processes > 1:
-    return _run_case_mp(case, root, tolerance, verbose, processes)
+  """Runs one drawn case; returns what went wrong (empty: it held).
+
+  With `processes` > 1 (`_run_mp`) each peak is the most any one process
+  had, beyond its own restored shards for a restore.
+  """
   state, total = _state_name(case), str(case['total_bytes'])
   path = os.path.join(root, f"s{case['seed']}")
-  shutil.rmtree(path, ignore_errors=True)
-  problems, notes = [], []
-  writer, budget = case['writer'], case['save_budget']
-  if case.get('kauldron'):
+  local = not path.startswith('gs://')
+  if local:
+    shutil.rmtree(path, ignore_errors=True)
+  kauldron, writer = case.get('kauldron'), case['writer']
+  if processes > 1:
+    of = f' (most of {processes})'
+    run = lambda op, budget=0, env=None: _run_mp(
+        processes, op, path, state, total, writer, budget, env=env)
+    stock = lambda: run('stock')
+    save = lambda budget: run('save', budget)
+    restore = lambda budget, env: run('restore', budget, env)
+  else:
+    of = ''
+    stock = lambda: _run(states, ['stock', path, state, total])
+    save = lambda budget: _run(states, (
+        ['ckpt', path, state, total, 'auto', str(budget)] if kauldron
+        else ['save', path, state, total, writer, str(budget)]))
+    restore = lambda budget, env: _run(states, ['restore', path, state, total, str(budget)]
+                                       + (['ckpt'] if kauldron else []), env=env)
+  if kauldron:
     writer = 'SafeCheckpointer auto'  # the save's peak: the whole async save
+  problems, notes = [], []
   if writer == 'stock':
-    out, err = _run(states, ['stock', path, state, total])
+    out, err = stock()
     if out is None:
       return [f'stock Orbax save failed: {err[-600:]}']
   else:
-    for attempt in range(2):  # the budget drawn, then the one its refusal names
-      if case.get('kauldron'):
-        out, err = _run(states, ['ckpt', path, state, total, 'auto', str(budget)])
-      else:
-        out, err = _run(states, ['save', path, state, total, writer, str(budget)])
-      if out is not None:
-        break
-      named = _named_budget(err, budget)
-      if named is None or named <= budget or attempt == 1:
-        return problems + [f'{writer} save at {budget / MiB:.1f} MiB failed'
-                           + (' (at the budget its first refusal named)' if attempt else '')
-                           + f': {err[-800:]}']
-      if (not case.get('kauldron') and not path.startswith('gs://')
-          and os.path.exists(path) and os.listdir(path)):
-        problems.append(f'refused save at {budget / MiB:.1f} MiB left files in {path}')
-      notes.append(f'save refused at {budget / MiB:.1f} MiB, named {named / MiB:.1f} MiB')
-      budget = named
-    peak = out['whole_save_peak_extra_bytes' if case.get('kauldron') else 'peak_extra_bytes']
-    notes.append(f'save {writer} @{budget / MiB:.1f} MiB peak {peak / MiB:.1f} MiB')
+    def left_files():  # a refusal comes before anything is written
+      if not kauldron and local and os.path.exists(path) and os.listdir(path):
+        return f'a refused save left files in {path}: {sorted(os.listdir(path))[:5]}'
+      return None
+    out, budget, more, failed = _retried(save, case['save_budget'], f'{writer} save', left_files)
+    notes += more
+    if out is None:
+      return [failed]
+    peak = out['whole_save_peak_extra_bytes' if kauldron else 'peak_extra_bytes']
+    notes.append(f'save {writer} @{budget / MiB:.1f} MiB peak {peak / MiB:.1f} MiB{of}')
     if peak > budget + tolerance:
       problems.append(f'{writer} save peaked at {peak / MiB:.1f} MiB over its budget '
                       f'{budget / MiB:.1f} MiB')
   env = dict(states.COPYING_DEVICES) if case['copying'] else {}
   if case.get('reshard'):
     env['KD_TEST_RESHARD'] = str(case['seed'])
-  if case.get('loose') and not case.get('kauldron'):
+  if case.get('loose') and not kauldron:
     env['KD_TEST_LOOSE'] = str(case['seed'])
-  rbudget = case['restore_budget']
-  for attempt in range(2):  # the budget drawn, then the one its refusal names
-    out, err = _run(states, ['restore', path, state, total, str(rbudget)]
-                    + (['ckpt'] if case.get('kauldron') else []), env=env)
-    if out is not None:
-      break
-    named = _named_budget(err, rbudget)
-    if named is None or named <= rbudget or attempt == 1:
-      problems.append(f'restore at {rbudget / MiB:.1f} MiB failed'
-                      + (' (at the budget its first refusal named)' if attempt else '')
-                      + f': {err[-800:]}')
-      return problems + (notes if verbose else [])
-    notes.append(f'restore refused at {rbudget / MiB:.1f} MiB, named {named / MiB:.1f} MiB')
-    rbudget = named
+  out, rbudget, more, failed = _retried(lambda b: restore(b, env), case['restore_budget'],
+                                        'restore')
+  notes += more
+  if out is None:
+    return problems + [failed] + (notes if verbose else [])
   beyond = out['peak_extra_bytes'] - out['restored_bytes']
   notes.append(f"restore {'copying' if case['copying'] else 'shared'}"
                f"{' resharded' if case.get('reshard') else ''}"
                f"{' strict=False' if 'KD_TEST_LOOSE' in env else ''} @{rbudget / MiB:.1f} MiB "
-               f'beyond arrays {beyond / MiB:.1f} MiB')
+               f'beyond arrays {beyond / MiB:.1f} MiB{of}')
   if beyond > rbudget + tolerance:
     problems.append(f'restore peaked {beyond / MiB:.1f} MiB beyond the restored arrays, over '
                     f'its budget {rbudget / MiB:.1f} MiB')
-  shutil.rmtree(path, ignore_errors=True)
-  if verbose or problems:
-    print('   ', '; '.join(notes), flush=True)
-  return problems
-
-
-def _run_case_mp(case: dict, root: str, tolerance: int, verbose: bool, nproc: int) -> list[str]:
-  """`run_case` over `nproc` processes: a drawn state (not `mixed`), no Kauldron."""
-  state, total = f"drawn:{case['seed']}", str(case['total_bytes'])
-  path = os.path.join(root, f"s{case['seed']}")
-  if not path.startswith('gs://'):
-    shutil.rmtree(path, ignore_errors=True)
-  problems, notes = [], []
-  writer, budget = case['writer'], case['save_budget']
-  if writer == 'stock':
-    out, err = _run_mp(nproc, 'stock', path, state, total, '-', 0)
-    if out is None:
-      return [f'stock Orbax save failed: {err[-600:]}']
-  else:
-    for attempt in range(2):  # the budget drawn, then the one its refusal names
-      out, err = _run_mp(nproc, 'save', path, state, total, writer, budget)
-      if out is not None:
-        break
-      named = _named_budget(err, budget)
-      if named is None or named <= budget or attempt == 1:
-        return [f'{writer} save at {budget / MiB:.1f} MiB failed'
-                + (' (at the budget its first refusal named)' if attempt else '') + f': {err[-800:]}']
-      if not path.startswith('gs://') and os.path.exists(path) and os.listdir(path):
-        problems.append(f'refused save at {budget / MiB:.1f} MiB left files in {path}')
-      notes.append(f'save refused at {budget / MiB:.1f} MiB, named {named / MiB:.1f} MiB')
-      budget = named
-    peak = out['peak_extra_bytes']
-    notes.append(f'save {writer} @{budget / MiB:.1f} MiB peak {peak / MiB:.1f} MiB (most of {nproc})')
-    if peak > budget + tolerance:
-      problems.append(f'{writer} save peaked at {peak / MiB:.1f} MiB in a process, over its '
-                      f'budget {budget / MiB:.1f} MiB')
-  env = {'KD_TEST_RESHARD': str(case['seed'])} if case['reshard'] else {}
-  if case['copying']:
-    env['KD_CKPT_SHARE_HOST_BUFFERS'] = '0'
-  rbudget = case['restore_budget']
-  for attempt in range(2):  # the budget drawn, then the one its refusal names
-    out, err = _run_mp(nproc, 'restore', path, state, total, '-', rbudget, env=env)
-    if out is not None:
-      break
-    named = _named_budget(err, rbudget)
-    if named is None or named <= rbudget or attempt == 1:
-      problems.append(f'restore at {rbudget / MiB:.1f} MiB failed'
-                      + (' (at the budget its first refusal named)' if attempt else '')
-                      + f': {err[-800:]}')
-      return problems + (notes if verbose else [])
-    notes.append(f'restore refused at {rbudget / MiB:.1f} MiB, named {named / MiB:.1f} MiB')
-    rbudget = named
-  beyond = out['peak_extra_bytes']
-  notes.append(f"restore {'copying' if case['copying'] else 'shared'}"
-               f"{' resharded' if case['reshard'] else ''} @{rbudget / MiB:.1f} MiB "
-               f'beyond arrays {beyond / MiB:.1f} MiB (most of {nproc})')
-  if beyond > rbudget + tolerance:
-    problems.append(f'restore peaked {beyond / MiB:.1f} MiB beyond a process\'s restored shards,'
-                    f' over its budget {rbudget / MiB:.1f} MiB')
-  if not path.startswith('gs://'):
+  if local:
     shutil.rmtree(path, ignore_errors=True)
   if verbose or problems:
     print('   ', '; '.join(notes), flush=True)
