@@ -704,21 +704,17 @@ def _worker(argv):
     via = argv[5] if len(argv) > 5 else 'api'
     if os.environ.get('KD_TEST_WARM') == '1':
       startup.start_compiler()  # paid before, as a training process has
+    # A `mixed` state's drawn arrays are under 'arrays'; its keys, numpy
+    # arrays and scalars stay as saved.
+    arrays_of = ((lambda fn, t: {**t, 'arrays': fn(t['arrays'])}) if state.startswith('mixed:')
+                 else (lambda fn, t: fn(t)))
     if os.environ.get('KD_TEST_RESHARD'):
       seed = int(os.environ['KD_TEST_RESHARD'])
-      if state.startswith('mixed:'):
-        tree['arrays'] = redrawn(tree['arrays'], seed)
-      else:
-        tree = redrawn(tree, seed)
-      jax.block_until_ready(tree)
+      tree = jax.block_until_ready(arrays_of(lambda t: redrawn(t, seed), tree))
     strict = not os.environ.get('KD_TEST_LOOSE')
     if not strict:  # strict=False: other extents, truncated or padded
       seed = int(os.environ['KD_TEST_LOOSE'])
-      if state.startswith('mixed:'):
-        tree['arrays'] = reshaped(tree['arrays'], seed)
-      else:
-        tree = reshaped(tree, seed)
-      jax.block_until_ready(tree)
+      tree = jax.block_until_ready(arrays_of(lambda t: reshaped(t, seed), tree))
     abstract = abstract_of(tree)
     want = _digests(tree)  # every restore is checked bit-exact, after measuring
     del tree
