@@ -1773,8 +1773,12 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
   remote = storage.is_remote(parent)
   lanes = 1 if remote else MAX_READ_LANES
 
-  def size_fill(leaves):
-    """(reservations, parts, read context, programs) of filling `leaves`."""
+  def admitted(leaves):
+    """What `_admit_programs` takes of each opened leaf."""
+    return [(shape, dtype, itemsize, _stored_chunk(t), sharding, _zstd_chunks(t))
+            for _, _, t, _, shape, dtype, sharding, itemsize in leaves]
+
+  def fill_all(leaves):
     reserves = [_orbax_reservation(info.byte_limiter, loop, ctx.capacity_bytes)
                 for info, *_ in leaves]
     parts = 1 if remote or any(r is not None for r in reserves) else max(1, min(
@@ -1787,9 +1791,7 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
           ctx, pieces_capacity_bytes=ctx.pieces_capacity_bytes // parts,
           piece_bytes=min(ctx.piece_bytes,
                           cost.restore_piece_bytes(ctx.pieces_capacity_bytes // parts)))
-      return _admit_programs(share, [
-          (shape, dtype, itemsize, _stored_chunk(t), sharding, _zstd_chunks(t))
-          for _, _, t, _, shape, dtype, sharding, itemsize in leaves])
+      return _admit_programs(share, admitted(leaves))
 
     try:
       read, programs = sized(parts)
@@ -1809,10 +1811,6 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
     # state, `tools/fuzz_budget.py` seed 159).
     read = dataclasses.replace(read, pieces_capacity_bytes=(
         read.pieces_capacity_bytes - cost.programs_charge(len(programs))))
-    return reserves, parts, read, programs
-
-  def fill_all(leaves):
-    reserves, parts, read, programs = size_fill(leaves)
     out = [None] * len(leaves)
 
     def fill(j, read=read, max_lanes=lanes):
@@ -1885,9 +1883,7 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
       if ctx.price_only:  # nothing is read
         least = ctx.budget_bytes
         if rest:  # as one part (where parts do not fit, `fill_all` falls back to one)
-          found = _least_budget(ctx, [
-              (shape, dtype, itemsize, _stored_chunk(t), sharding, _zstd_chunks(t))
-              for _, _, t, _, shape, dtype, sharding, itemsize in leaves], from_bytes=0)
+          found = _least_budget(ctx, admitted(leaves), from_bytes=0)
           least = found[0] if found else ctx.budget_bytes + 1024 * cost.MiB
         raise Priced(least)
 
