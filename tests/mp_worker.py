@@ -412,13 +412,10 @@ def _fuzz(argv) -> dict:
   assert op == 'restore', op
   if os.environ.get('KD_TEST_WARM') == '1':
     startup.start_compiler()
-  shapes, want, abstract = {}, {}, {}
-  layouts = {}
-  for name, host, sharding in states.drawn_on_host(seed, total):
-    shapes[name] = (host.shape, host.dtype, sharding)
-  if os.environ.get('KD_TEST_RESHARD'):
-    layouts = states.redrawn_shardings({k: v[0] for k, v in shapes.items()},
-                                       int(os.environ['KD_TEST_RESHARD']))
+  want, abstract, layouts = {}, {}, {}
+  if os.environ.get('KD_TEST_RESHARD'):  # every leaf's shape, then the layouts
+    shapes = {name: host.shape for name, host, _ in states.drawn_on_host(seed, total)}
+    layouts = states.redrawn_shardings(shapes, int(os.environ['KD_TEST_RESHARD']))
   for name, host, sharding in states.drawn_on_host(seed, total):
     sharding = layouts.get(name, sharding)
     abstract[name] = jax.ShapeDtypeStruct(host.shape, host.dtype, sharding=sharding)

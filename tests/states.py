@@ -291,14 +291,18 @@ def drawn_on_host(seed: int, total_bytes: int):
   yield from _drawn_leaves(np.random.default_rng(seed), total_bytes)
 
 
-def _drawn_leaves(rng, total_bytes: int):
+def _drawn_dtype(rng) -> np.dtype:
   import ml_dtypes  # pylint: disable=g-import-not-at-top
+  name = _DRAWN_DTYPES[int(rng.integers(len(_DRAWN_DTYPES)))]
+  return np.dtype(ml_dtypes.bfloat16) if name == 'bfloat16' else np.dtype(name)
+
+
+def _drawn_leaves(rng, total_bytes: int):
   n = int(rng.choice([1, int(rng.integers(2, 9)), int(rng.integers(9, 201))]))
   shares = rng.dirichlet(np.full(n, 0.3)) * total_bytes
   primes = [p for p in range(2, 2000) if all(p % q for q in range(2, int(p ** 0.5) + 1))]
   for i in range(n):
-    dname = _DRAWN_DTYPES[int(rng.integers(len(_DRAWN_DTYPES)))]
-    dt = np.dtype(ml_dtypes.bfloat16) if dname == 'bfloat16' else np.dtype(dname)
+    dt = _drawn_dtype(rng)
     layout = _DRAWN_LAYOUTS[int(rng.integers(len(_DRAWN_LAYOUTS)))]
     spec = () if layout is None else layout[1]
     rank = int(rng.integers(len(spec), 5)) if spec or n == 1 or rng.random() < 0.9 else 0
@@ -338,7 +342,6 @@ def mixed(seed: int, total_bytes: int):
   host (up to half as many bytes again), and numpy and Python scalars.  The
   drawn leaves are those of `drawn(seed, total_bytes)`.
   """
-  import ml_dtypes  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng([seed, 1])  # not drawn's stream: its leaves stay
   host_share = float(rng.uniform(0.05, 0.5)) if rng.random() < 0.7 else 0.0
   keys, host = {}, {}
@@ -356,8 +359,7 @@ def mixed(seed: int, total_bytes: int):
   n_host = int(rng.integers(1, 6)) if host_share else 0
   shares = rng.dirichlet(np.full(max(n_host, 1), 0.5)) * total_bytes * host_share
   for i in range(n_host):
-    dname = _DRAWN_DTYPES[int(rng.integers(len(_DRAWN_DTYPES)))]
-    dt = np.dtype(ml_dtypes.bfloat16) if dname == 'bfloat16' else np.dtype(dname)
+    dt = _drawn_dtype(rng)
     elems = max(1, int(shares[i]) // dt.itemsize)
     rank = int(rng.integers(0, 4)) if elems > 1 else 0
     shape, left = [], elems
