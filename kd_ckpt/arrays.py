@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import threading
 import time
 from typing import Any, Sequence
@@ -32,6 +33,7 @@ from absl import logging
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import tensorstore as ts
 
 from kd_ckpt import compat
 from kd_ckpt import cost
@@ -351,6 +353,62 @@ class Progress:
     self.next_fraction = frac + 1.0 / self.max_lines
     logging.info('kd_ckpt streaming save: %5.1f%% %s, %.2f GB/s', 100 * frac,
                  text.format_bytes(done_bytes), done_bytes / 1e9 / max(elapsed, 1e-9))
+
+
+async def write_sharding_file(shardings: Sequence[jax.sharding.Sharding | None], infos, *,
+                              primary_host: int | None) -> None:
+  """Orbax's `_sharding` file for these leaves, written as one JSON document.
+
+  The file a stock save writes, byte for byte: one entry per leaf, at the
+  JSON pointer Orbax's `get_sharding_tensorstore_spec` names, holding
+  `ShardingMetadata.to_serialized_string()`.  Orbax's own writer opens the
+  file once per leaf and writes each entry into one transaction; that took
+  0.55 s of a 2.5 s save of 2,001 leaves, run after the data, where this
+  takes ~6 ms.  Entries already in the file (an earlier call for the same
+  item) are read and kept.
+
+  Example:
+
+    await write_sharding_file([a.sharding for a in arrays], infos, primary_host=0)
+  """
+  await asyncio.gather(*[info.await_path_creation() for info in infos])
+  if not ocp.multihost.is_primary_host(primary_host):
+    return
+  documents: dict[str, tuple[dict[str, Any], Any, dict[str, str]]] = {}
+  strings: dict[jax.sharding.Sharding, str | None] = {}  # leaves share a few shardings
+  for sharding, info in zip(shardings, infos):
+    if sharding is None:
+      continue
+    if info.parent_dir is None:
+      raise ValueError('parent_dir cannot be None')
+    if sharding not in strings:
+      metadata = compat.orbax.sharding_metadata(sharding)
+      strings[sharding] = metadata.to_serialized_string() if metadata is not None else None
+    serialized = strings[sharding]
+    if serialized is None:
+      continue
+    spec = compat.orbax.sharding_tspec(info.parent_dir.as_posix(), info.name)
+    key = _json_pointer_key(spec.pop('json_pointer'))
+    doc = documents.setdefault(json.dumps(spec['kvstore'], sort_keys=True, default=str),
+                               ({**spec, 'json_pointer': ''}, info.ts_context, {}))
+    doc[2][key] = serialized
+  for spec, context, entries in documents.values():
+    t = await ts.open(spec, open=True, context=context)
+    try:
+      current = (await t.read()).item()
+    except ValueError as e:  # no file yet (TensorStore says NOT_FOUND)
+      if 'NOT_FOUND' not in str(e):
+        raise
+      current = {}
+    await t.write({**(current if isinstance(current, dict) else {}), **entries})
+
+
+def _json_pointer_key(pointer: str) -> str:
+  """'/a~1b' -> 'a/b': the one key a one-level JSON pointer (RFC 6901) names."""
+  if not pointer.startswith('/') or '/' in pointer[1:]:
+    raise ValueError(f'Expected a one-level JSON pointer, got {pointer!r}: this Orbax'
+                     ' version lays out its sharding file differently than kd_ckpt knows.')
+  return pointer[1:].replace('~1', '/').replace('~0', '~')
 
 
 async def directories_created() -> None:

@@ -149,8 +149,6 @@ def _orbax() -> types.SimpleNamespace:
           f'{ser}.jax_array_handlers', '_async_serialize_replica_slices',
           ('values', 'infos', 'args', 'primary_host', 'metadata_key',
            'array_metadata_store', 'ext_metadata')),
-      serialize_shardings=n(f'{ser}.jax_array_handlers', '_async_serialize_shardings',
-                            ('shardings', 'infos', 'primary_host')),
       deserialize_shardings=n(f'{ser}.jax_array_handlers', '_deserialize_shardings',
                               ('infos', 'args', 'sharding_file_exists')),
       physical_read_spec=n(f'{ser}.jax_array_handlers', '_physical_read_spec',
@@ -158,6 +156,12 @@ def _orbax() -> types.SimpleNamespace:
       wrap_random_key_data=n(f'{ser}.jax_array_handlers', '_wrap_random_key_data',
                              ('array_metadatas', 'infos', 'deserialized_arrays')),
       sharding_file_name=n(f'{ser}.jax_array_handlers', '_SHARDING_FILE_NAME', kind='value'),
+      # The `_sharding` file's spec for one leaf (a JSON pointer into one
+      # document) and the string stored there: `arrays.write_sharding_file`
+      # writes the same document in one write.
+      sharding_tspec=n(f'{ser}.tensorstore_utils', 'get_sharding_tensorstore_spec',
+                       ('directory', 'param_name')),
+      sharding_metadata=n(f'{_O}.metadata.sharding', 'from_jax_sharding', ('jax_sharding',)),
       random_key_impl=n(f'{_O}.metadata.array_metadata', 'RANDOM_KEY_IMPL', kind='value'),
       array_metadata_store=n(f'{_O}.metadata.array_metadata_store', 'Store'),
       build_array_write_spec=n(

@@ -118,8 +118,7 @@ class OrbaxArrayHandler(arrays_lib.KdArrayHandler):
     futures = []
     if self._options.enable_write_sharding_file:
       futures.append(ocp.future.CommitFutureAwaitingContractedSignals(
-          compat.orbax.serialize_shardings(
-              shardings=shardings, infos=infos, primary_host=primary),
+          arrays_lib.write_sharding_file(shardings, infos, primary_host=primary),
           name='serialize_shardings'))
     futures.append(ocp.future.CommitFutureAwaitingContractedSignals(
         write(), name='array_type_handler'))

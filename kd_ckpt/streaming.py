@@ -251,9 +251,8 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
       # Orbax's own sharding file writer: same `_sharding` as a stock save.
       # Started after the data, so a failed save leaves no writer behind.
       futures.append(ocp.future.CommitFutureAwaitingContractedSignals(
-          compat.orbax.serialize_shardings(
-              shardings=[a.sharding for a in arrays], infos=infos,
-              primary_host=self._options.primary_host),
+          arrays_lib.write_sharding_file(
+              [a.sharding for a in arrays], infos, primary_host=self._options.primary_host),
           name='kd_ckpt_serialize_shardings'))
     return futures
 

@@ -252,3 +252,42 @@ def test_none_in_the_target_skips_a_saved_leaf_as_orbax_does(root):
   # A target leaf the checkpoint never had is still named.
   with pytest.raises(ValueError, match="'z'"):
     kd_ckpt.restore(d, {**target, 'z': jax.ShapeDtypeStruct((2,), jnp.float32)})
+
+
+@pytest.mark.parametrize('strategy', ['streaming', 'orbax'])
+def test_the_sharding_file_is_the_one_stock_orbax_writes(root, strategy):
+  """kd_ckpt writes `_sharding` as one JSON document (Orbax opens it once per
+  leaf); the file must hold what Orbax's holds, so that a restore without
+  a target, by Orbax or Kauldron, finds the saved shardings."""
+  state = _states()['mesh2d_and_replicated']
+  stock = f'{root}/sharding_file_stock'
+  if not os.path.exists(stock):
+    with ocp.StandardCheckpointer() as ckptr:
+      ckptr.save(stock, state)
+  d = _saved(root, 'mesh2d_and_replicated', strategy)
+  with open(f'{stock}/_sharding', 'rb') as f:
+    want = f.read()
+  with open(f'{d}/_sharding', 'rb') as f:
+    assert f.read() == want
+  got = ocp.StandardCheckpointer().restore(d)
+  for k, v in state.items():
+    assert got[k].sharding.is_equivalent_to(v.sharding, v.ndim), k
+
+
+def test_the_sharding_file_keeps_entries_written_before(tmp_path):
+  """Two calls for one item (Orbax's handler may split its leaves) add up."""
+  import asyncio  # pylint: disable=g-import-not-at-top
+  from etils import epath  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import arrays  # pylint: disable=g-import-not-at-top
+  m1 = _mesh1()
+  infos = [ocp.type_handlers.ParamInfo(name=n, parent_dir=epath.Path(tmp_path),
+                                       is_ocdbt_checkpoint=True)
+           for n in ('a', 'b.c', 'd/e')]
+  shardings = [NS(m1, P('x')), NS(m1, P()), jax.sharding.SingleDeviceSharding(jax.devices()[1])]
+  asyncio.run(arrays.write_sharding_file(shardings[:1], infos[:1], primary_host=0))
+  asyncio.run(arrays.write_sharding_file(shardings[1:], infos[1:], primary_host=0))
+  from kd_ckpt import compat  # pylint: disable=g-import-not-at-top
+  args = [ocp.ArrayRestoreArgs()] * 3
+  got = asyncio.run(compat.orbax.deserialize_shardings(infos, args, True))  # Orbax's reader
+  for g, want in zip(got, shardings):
+    assert g == want
