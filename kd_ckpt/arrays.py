@@ -293,6 +293,30 @@ class KdArrayHandler(ocp.type_handlers.ArrayHandler):
   def note_written(self) -> None:
     self._save_ctx.stats.handler_ran = True
 
+  async def metadata(self, infos):
+    """Orbax's `ArrayHandler.metadata`, reading the `_sharding` file once.
+
+    Orbax's reads the whole file once per leaf, one after another: at 2,001
+    leaves, a 630 KB document parsed 2,001 times (from a bucket, 2,001 GETs
+    of it).  A restore without a target asks for this first.
+    """
+    await asyncio.gather(*[info.await_path_creation() for info in infos])
+    if infos[0].parent_dir is None:
+      raise ValueError('parent_dir cannot be None')
+    metadata_key = compat.handler_option(self, 'metadata_key')
+    stores = await asyncio.gather(*[
+        ts.open(ts.Spec(compat.orbax.build_array_read_spec(
+            info, use_ocdbt=info.is_ocdbt_checkpoint, metadata_key=metadata_key,
+            raise_array_data_missing_error=info.raise_array_data_missing_error).json),
+                open=True, context=info.ts_context)
+        for info in infos])
+    exists = await asyncio.to_thread(
+        (infos[0].parent_dir / compat.orbax.sharding_file_name).exists)
+    strings = await read_sharding_file(infos) if exists else [None] * len(infos)
+    parsed = {s: compat.orbax.sharding_from_string(s) for s in set(strings) if s}
+    return [compat.orbax.array_metadata_of(t, info, parsed.get(s))
+            for t, info, s in zip(stores, infos, strings)]
+
   async def deserialize(self, infos, args=None):
     # Small leaves `reading` may not read whole go to Orbax's own reader.
     return await reading.read_arrays(self, infos, args, self._read_ctx,
@@ -394,13 +418,36 @@ async def write_sharding_file(shardings: Sequence[jax.sharding.Sharding | None],
     doc[2][key] = serialized
   for spec, context, entries in documents.values():
     t = await ts.open(spec, open=True, context=context)
-    try:
-      current = (await t.read()).item()
-    except ValueError as e:  # no file yet (TensorStore says NOT_FOUND)
-      if 'NOT_FOUND' not in str(e):
-        raise
-      current = {}
-    await t.write({**(current if isinstance(current, dict) else {}), **entries})
+    await t.write({**await _read_document(t), **entries})
+
+
+async def read_sharding_file(infos) -> list[str | None]:
+  """Each leaf's entry in its item's `_sharding` file (None: no entry or no file).
+
+  The file is read once; Orbax's `ArrayHandler.metadata` reads the whole file
+  again for every leaf.
+  """
+  out, documents = [], {}
+  for info in infos:
+    spec = compat.orbax.sharding_tspec(info.parent_dir.as_posix(), info.name)
+    key = _json_pointer_key(spec.pop('json_pointer'))
+    where = json.dumps(spec['kvstore'], sort_keys=True, default=str)
+    if where not in documents:
+      t = await ts.open({**spec, 'json_pointer': ''}, open=True, context=info.ts_context)
+      documents[where] = await _read_document(t)
+    out.append(documents[where].get(key) or None)
+  return out
+
+
+async def _read_document(t: ts.TensorStore) -> dict[str, Any]:
+  """A JSON document's top-level object ({} where there is no file yet)."""
+  try:
+    doc = (await t.read()).item()
+  except ValueError as e:  # TensorStore reports a missing file as NOT_FOUND
+    if 'NOT_FOUND' not in str(e):
+      raise
+    return {}
+  return doc if isinstance(doc, dict) else {}
 
 
 def _json_pointer_key(pointer: str) -> str:

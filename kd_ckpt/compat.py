@@ -162,6 +162,11 @@ def _orbax() -> types.SimpleNamespace:
       sharding_tspec=n(f'{ser}.tensorstore_utils', 'get_sharding_tensorstore_spec',
                        ('directory', 'param_name')),
       sharding_metadata=n(f'{_O}.metadata.sharding', 'from_jax_sharding', ('jax_sharding',)),
+      sharding_from_string=n(f'{_O}.metadata.sharding', 'from_serialized_string',
+                             ('serialized_str',)),
+      # An opened array's `ArrayMetadata`, as `ArrayHandler.metadata` builds it.
+      array_metadata_of=n(f'{ser}.tensorstore_utils', 'array_metadata_from_tensorstore',
+                          ('t', 'info', 'sharding')),
       random_key_impl=n(f'{_O}.metadata.array_metadata', 'RANDOM_KEY_IMPL', kind='value'),
       array_metadata_store=n(f'{_O}.metadata.array_metadata_store', 'Store'),
       build_array_write_spec=n(

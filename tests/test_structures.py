@@ -291,3 +291,27 @@ def test_the_sharding_file_keeps_entries_written_before(tmp_path):
   got = asyncio.run(compat.orbax.deserialize_shardings(infos, args, True))  # Orbax's reader
   for g, want in zip(got, shardings):
     assert g == want
+
+
+def test_a_restore_without_target_reads_the_sharding_file_once(root, monkeypatch):
+  """Orbax's `ArrayHandler.metadata` reads the whole `_sharding` file once per
+  leaf; kd_ckpt's reads it once, and finds what Orbax's finds."""
+  from kd_ckpt import arrays  # pylint: disable=g-import-not-at-top
+  state = _states()['mesh2d_and_replicated']
+  stock = f'{root}/sharding_file_stock_metadata'
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(stock, state)
+  reads = []
+  real = arrays._read_document
+
+  async def counted(t):
+    reads.append(t)
+    return await real(t)
+
+  monkeypatch.setattr(arrays, '_read_document', counted)
+  got = kd_ckpt.restore(stock, host_ram_budget='64MiB')
+  assert len(reads) == 1
+  want = _stock_restore(stock, None)
+  assert_same(got, want, 'no target')
+  for k, v in state.items():
+    assert got[k].sharding.is_equivalent_to(v.sharding, v.ndim), k
