@@ -429,6 +429,9 @@ async def read_sharding_file(infos) -> list[str | None]:
   """
   out, documents = [], {}
   for info in infos:
+    if info.name is None:
+      out.append(None)
+      continue
     spec = compat.orbax.sharding_tspec(info.parent_dir.as_posix(), info.name)
     key = _json_pointer_key(spec.pop('json_pointer'))
     where = json.dumps(spec['kvstore'], sort_keys=True, default=str)

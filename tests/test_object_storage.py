@@ -702,3 +702,28 @@ def test_a_restore_asks_once_whether_the_sharding_file_exists(server, bucket, mo
   _same(back, tree)
   assert stock and stock[0] > 1, stock  # several calls of Orbax's reader
   assert asked == [f'{path}/_sharding'], asked
+
+
+def test_small_leaves_from_a_bucket_are_priced_opened_and_read_together(server, bucket, monkeypatch):
+  """Priced from its restore args alone, a sharded leaf costs as if each shard
+  decoded the whole array: 40 leaves of 64 KiB over 8 devices went to Orbax's
+  reader two at a time, and each batch's requests paid the link's latency
+  apart.  From a bucket they are opened first and priced by their chunks."""
+  m1, _ = states.meshes()
+  tree = {f's{i:02d}': states.filled((64, 256 + 8 * i), NS(m1, P('x')), seed=i)
+          for i in range(40)}
+  path = f'{bucket}/together'
+  kd_ckpt.save(path, tree, strategy='streaming', host_ram_budget=256 * MiB)
+  from kd_ckpt import reading  # pylint: disable=g-import-not-at-top
+  batches = reading._stock_batches
+  sizes = []
+
+  def counted(charges, room):
+    out = batches(charges, room)
+    sizes.extend(len(b) for b in out)
+    return out
+
+  monkeypatch.setattr(reading, '_stock_batches', counted)
+  back = kd_ckpt.restore(path, _abstract(tree), host_ram_budget=256 * MiB)
+  _same(back, tree)
+  assert sizes == [40], sizes
