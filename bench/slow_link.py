@@ -41,6 +41,8 @@ class SlowLink:
     self.connections = 0
     self.requests = 0
     self.down_bytes = 0
+    # Each request's method and target ('GET /storage/v1/b/...'), in order.
+    self.request_lines: list[str] = []
     # Samples (every SAMPLE_SECS while bytes flow): connections that carried
     # response bytes in the sample -> how many samples.
     self.busy: collections.Counter = collections.Counter()
@@ -75,6 +77,7 @@ class SlowLink:
   def reset_counts(self) -> None:
     self.connections = self.requests = self.down_bytes = 0
     self.busy = collections.Counter()
+    self.request_lines = []
 
   def _sample(self) -> None:
     while not self._stop.is_set():
@@ -103,6 +106,9 @@ class SlowLink:
       try:
         while data := await client_r.read(CHUNK_BYTES):
           self.requests += data.count(b' HTTP/1.1\r\n')
+          self.request_lines.extend(
+              line.rsplit(b' ', 1)[0].decode('latin-1')
+              for line in data.split(b'\r\n') if line.endswith(b' HTTP/1.1'))
           loop.call_at(loop.time() + self.latency_secs, server_w.write, data)
         await asyncio.sleep(self.latency_secs)
         server_w.write_eof()

@@ -1,0 +1,132 @@
+"""Restores from a bucket through a slow link, by kind of request (issue 20).
+
+Each restore runs in a fresh process against fake-gcs-server on loopback,
+through `slow_link.SlowLink` (each request 20 ms later, each connection at
+most 200 MB/s by default).  The table gives seconds, requests, bytes down
+and the requests by object, so that a restore that sends more requests than
+Orbax's shows where they go.
+
+States: `leaves` is `--leaves` f32 leaves of (64, 256) over 8 CPU devices
+(64 KiB each; small leaves that Orbax's reader reads), `gemma` the bench's
+Gemma-like state of `--state-bytes`; both saved once by kd_ckpt's streaming
+writer.  Restores: `kd` and `orbax` (`StandardCheckpointer`) without a
+target (the shardings come from `_sharding`), `kd_target` and
+`orbax_target` onto the saved layout.
+
+Example:
+
+  python bench/gcs_requests.py --state leaves --leaves 400 --restores kd_target,orbax_target
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import urllib.parse
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, 'bench'))
+
+WORKER = r'''
+import json, sys, time, warnings
+warnings.simplefilter('ignore')
+repo, state, op, path, leaves, state_bytes = sys.argv[1:7]
+sys.path.insert(0, repo + '/bench')
+import jax, jax.numpy as jnp, orbax.checkpoint as ocp, kd_ckpt
+import workloads
+leaves, state_bytes = int(leaves), int(state_bytes)
+mesh = jax.make_mesh((8,), ('x',))
+sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('x'))
+if state == 'leaves':
+  build = lambda: {f'l{i:04d}': jax.device_put(jnp.full((64, 256), i, jnp.float32), sharded)
+                   for i in range(leaves)}
+  abstract = lambda: {f'l{i:04d}': jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=sharded)
+                      for i in range(leaves)}
+else:
+  build = lambda: workloads.build_gemma_gb(jax, state_bytes)
+  abstract = lambda: workloads.abstract_gemma_gb(jax, state_bytes)
+if op == 'save':
+  kd_ckpt.save(path, build(), strategy='streaming', host_ram_budget='256MiB')
+  print(json.dumps({}))
+  sys.exit()
+target = abstract() if op.endswith('_target') else None
+t = time.perf_counter()
+if op.startswith('kd'):
+  out = kd_ckpt.restore(path, target, host_ram_budget='256MiB')
+else:
+  out = ocp.StandardCheckpointer().restore(path, target)
+jax.block_until_ready(out)
+print(json.dumps({'secs': time.perf_counter() - t, 'leaves': len(jax.tree.leaves(out))}))
+'''
+
+
+def _kind(line: str) -> str:
+  """'GET /download/storage/v1/b/bench/o/ckpt%2Fd%2F<hash>?alt=media' -> 'GET d/* (media)'."""
+  method, target = line.split(' ', 1)
+  url = urllib.parse.unquote(target)
+  query = url.split('?', 1)[1] if '?' in url else ''
+  obj = url.split('?', 1)[0]
+  obj = obj.split('/o/', 1)[1] if '/o/' in obj else obj
+  obj = re.sub(r'^[^/]*/', '', obj) if '/' in obj else '.'
+  obj = re.sub(r'^d/.*', 'd/*', obj)
+  kind = 'list' if 'prefix=' in query else 'media' if 'alt=media' in query else 'metadata'
+  return f'{method} {obj} ({kind})'
+
+
+def main() -> int:
+  ap = argparse.ArgumentParser(description=__doc__.split('\n', 1)[0])
+  ap.add_argument('--state', choices=('leaves', 'gemma'), default='leaves')
+  ap.add_argument('--leaves', type=int, default=400)
+  ap.add_argument('--state-bytes', type=int, default=1_150_000_000)
+  ap.add_argument('--restores', default='kd,orbax,kd_target,orbax_target')
+  ap.add_argument('--reps', type=int, default=1)
+  ap.add_argument('--link-latency-ms', type=float, default=20.0)
+  ap.add_argument('--link-mbs', type=float, default=200.0)
+  args = ap.parse_args()
+  from tests import gcs_server  # pylint: disable=g-import-not-at-top
+  import slow_link  # pylint: disable=g-import-not-at-top
+  with tempfile.TemporaryDirectory(prefix='kd_ckpt_gcs_requests_') as tmp:
+    with gcs_server.GcsServer(os.path.join(tmp, 'data')) as srv, slow_link.SlowLink(
+        srv.port, latency_secs=args.link_latency_ms / 1e3,
+        rate_bytes_per_sec=args.link_mbs * 1e6) as link:
+      srv.create_bucket('bench')
+      env = {**os.environ, **srv.env(), 'PYTHONPATH': REPO, 'JAX_PLATFORMS': 'cpu',
+             'XLA_FLAGS': '--xla_force_host_platform_device_count=8'}
+      env = {k: v.replace(f':{srv.port}', f':{link.port}') for k, v in env.items()}
+      path = 'gs://bench/ckpt'
+
+      def run(op):
+        link.reset_counts()
+        proc = subprocess.run(
+            [sys.executable, '-c', WORKER, REPO, args.state, op, path, str(args.leaves),
+             str(args.state_bytes)], env=env, capture_output=True, text=True, timeout=1800)
+        if proc.returncode:
+          raise RuntimeError(proc.stderr[-3000:])
+        out = json.loads(proc.stdout.strip().splitlines()[-1])
+        out.update(requests=link.requests, down_mb=link.down_bytes / 1e6,
+                   kinds=collections.Counter(_kind(l) for l in link.request_lines))
+        return out
+
+      run('save')
+      rows = [(op, run(op)) for _ in range(args.reps) for op in args.restores.split(',')]
+  state = (f'{args.leaves} f32 leaves of (64, 256) over 8 devices' if args.state == 'leaves'
+           else f'Gemma-like, {args.state_bytes / 1e9:.2f} GB over 8 devices')
+  print(f'State: {state}, saved by kd_ckpt streaming; link: each request'
+        f' {args.link_latency_ms:g} ms later, each connection at most {args.link_mbs:g} MB/s.\n')
+  print('| restore | seconds | requests | MB down | requests by object (most first) |')
+  print('| --- | --- | --- | --- | --- |')
+  for op, r in rows:
+    kinds = ', '.join(f'{n} {k}' for k, n in r['kinds'].most_common(4))
+    print(f'| {op} | {r["secs"]:.2f} | {r["requests"]} | {r["down_mb"]:.1f} | {kinds} |')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
