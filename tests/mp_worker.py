@@ -362,7 +362,7 @@ def _fuzz(argv) -> dict:
     fuzz OP PATH STATE TOTAL_BYTES STRATEGY BUDGET PROCESS_ID NUM_PROCESSES PORT
 
   OP `save`: `kd_ckpt.save(strategy=STRATEGY)` of `tests.states.drawn`'s
-  state over all processes' devices, measured in this process (VmHWM);
+  state (`mixed`'s for STATE `mixed:SEED`) over all processes' devices, measured in this process (VmHWM);
   `stock`: Orbax's default save, unmeasured; `restore`: `kd_ckpt.restore`
   onto the saved layouts (or others: KD_TEST_RESHARD=SEED), its peak beyond
   this process's restored shards, every shard checked bit-exact against the
@@ -391,8 +391,9 @@ def _fuzz(argv) -> dict:
   # collectives' set-up, ~27 MiB once, is not the save's).
   multihost_utils.sync_global_devices('kd_fuzz_warm_up')
   out = {'process_index': pid}
+  is_mixed = state.startswith('mixed:')
   if op in ('save', 'stock'):
-    tree = states.drawn(seed, total)
+    tree = states.mixed(seed, total) if is_mixed else states.drawn(seed, total)
     jax.block_until_ready(tree)
     states._settle()  # pylint: disable=protected-access
     with hostmem.PeakRss() as peak:
@@ -423,6 +424,13 @@ def _fuzz(argv) -> dict:
       want[f'{name}@{device.id}'] = hashlib.sha256(
           np.ascontiguousarray(host[index]).reshape(-1).view(np.uint8)).hexdigest()
     del host
+  if is_mixed:
+    # Keys, numpy arrays and scalars beside the drawn arrays: restored as
+    # saved, checked by their (addressable) shards' digests.
+    extra = states.mixed_extra(seed, total)
+    abstract = {'arrays': abstract, 'extra': states.abstract_of(extra)}
+    want_extra = states._digests({'extra': extra})  # pylint: disable=protected-access
+    del extra
   states._settle()  # pylint: disable=protected-access
   with hostmem.PeakRss() as peak:
     try:
@@ -434,9 +442,16 @@ def _fuzz(argv) -> dict:
   out['peak_extra_bytes'] = peak.extra_bytes
   if back is not None:
     out['restored_bytes'] = states.resident_bytes(back)
+    arrays = back['arrays'] if is_mixed else back
     got = {f'{name}@{sh.device.id}': hashlib.sha256(
         np.ascontiguousarray(np.asarray(sh.data)).reshape(-1).view(np.uint8)).hexdigest()
-           for name, x in back.items() for sh in x.addressable_shards}
+           for name, x in arrays.items() for sh in x.addressable_shards}
+    if is_mixed:
+      got_extra = states._digests({'extra': back['extra']})  # pylint: disable=protected-access
+      bad = sorted(k for k in want_extra if got_extra.get(k) != want_extra[k])
+      if bad or set(got_extra) != set(want_extra):
+        raise SystemExit(f'restored keys, host arrays or scalars differ: {bad[:5]}'
+                         f' {sorted(set(got_extra) ^ set(want_extra))[:5]}')
     if got != want:
       bad = sorted(k for k in want if got.get(k) != want[k])
       raise SystemExit(f'restored values differ from the saved ones: {bad[:5]}')

@@ -337,10 +337,20 @@ def mixed(seed: int, total_bytes: int):
   """`drawn(seed)` beside what else a training state holds, drawn from `seed` too.
 
   For `tools/fuzz_budget.py` (state name `mixed:SEED`): `{'arrays': drawn
-  leaves, 'extra': ...}` where `extra` nests typed PRNG keys (threefry or rbg,
-  one or a batch, on one device, replicated or sharded), numpy arrays on the
-  host (up to half as many bytes again), and numpy and Python scalars.  The
-  drawn leaves are those of `drawn(seed, total_bytes)`.
+  leaves, 'extra': mixed_extra(...)}`.  The drawn leaves are those of
+  `drawn(seed, total_bytes)`.
+  """
+  extra = mixed_extra(seed, total_bytes)
+  return {'arrays': drawn(seed, total_bytes), 'extra': extra}
+
+
+def mixed_extra(seed: int, total_bytes: int):
+  """`mixed`'s leaves beside the drawn arrays: typed PRNG keys (threefry or
+  rbg, one or a batch, on one device, replicated or sharded), numpy arrays on
+  the host (up to half as many bytes again), and numpy and Python scalars.
+
+  With several processes every key is one global array (a key on one device
+  is replicated instead, as `_drawn_sharding` does for arrays).
   """
   rng = np.random.default_rng([seed, 1])  # not drawn's stream: its leaves stay
   host_share = float(rng.uniform(0.05, 0.5)) if rng.random() < 0.7 else 0.0
@@ -350,12 +360,13 @@ def mixed(seed: int, total_bytes: int):
     key = jax.random.key(seed + i, impl=impl)
     kind = rng.random()
     if kind < 0.3:
-      keys[f'k{i}'] = key  # one key, as a train state's `rng`
+      # One key, as a train state's `rng`.
+      keys[f'k{i}'] = key if jax.process_count() == 1 else _placed_keys(key, NS(meshes()[0], P()))
       continue
     n = 8 * int(rng.integers(1, 2049))
     batch = jax.random.split(key, n)
     layout = (None, (0, ('x',)), (0, ()))[int(rng.integers(3))]
-    keys[f'k{i}'] = jax.device_put(batch, _drawn_sharding(layout, rng))
+    keys[f'k{i}'] = _placed_keys(batch, _drawn_sharding(layout, rng))
   n_host = int(rng.integers(1, 6)) if host_share else 0
   shares = rng.dirichlet(np.full(max(n_host, 1), 0.5)) * total_bytes * host_share
   for i in range(n_host):
@@ -374,8 +385,16 @@ def mixed(seed: int, total_bytes: int):
   if rng.random() < 0.5:
     scalars['loss'] = np.float32(rng.standard_normal())
     scalars['count'] = np.int32(rng.integers(0, 1 << 30))
-  arrays = drawn(seed, total_bytes)
-  return {'arrays': arrays, 'extra': {'keys': keys, 'host': host, 'scalars': scalars}}
+  return {'keys': keys, 'host': host, 'scalars': scalars}
+
+
+def _placed_keys(keys: jax.Array, sharding) -> jax.Array:
+  """Typed `keys` on `sharding`: `device_put` in one process; with several,
+  their key data placed by `place` and wrapped again."""
+  if jax.process_count() == 1:
+    return jax.device_put(keys, sharding)
+  data = place(np.asarray(jax.random.key_data(keys)), NS(sharding.mesh, sharding.spec))
+  return jax.random.wrap_key_data(data, impl=jax.random.key_impl(keys))
 
 
 def abstract_of(tree):

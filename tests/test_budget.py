@@ -549,14 +549,17 @@ def test_drawn_states_hold_the_budget_over_two_processes():
   """`tools/fuzz_budget.py --processes 2`: each case's save and restore run in
   two JAX processes joined on 127.0.0.1 (4 CPU devices each), each process
   held to the budget.  Seeds 1 (a streaming save refused, then held at the
-  budget named; restored on devices that copy) and 2 (`auto`; a restore onto
-  other layouts, refused, then held)."""
+  budget named; restored on devices that copy), 2 (`auto`; a restore onto
+  other layouts, refused, then held), 3 (`mixed`: typed keys, numpy arrays
+  and scalars beside the arrays, saved by stock Orbax) and 7 (`mixed`, a
+  streaming save of a single key and sharded key batches)."""
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   proc = subprocess.run(
       [sys.executable, os.path.join(states.REPO, 'tools', 'fuzz_budget.py'),
-       '--processes', '2', '--seeds', '1,2', '-v'],
+       '--processes', '2', '--seeds', '1,2,3,7', '-v'],
       cwd=states.REPO, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-  assert '2/2 held' in proc.stdout, proc.stdout[-2000:]
-  assert proc.stdout.count('(most of 2)') == 4, proc.stdout[-2000:]  # 2 saves, 2 restores
+  assert '4/4 held' in proc.stdout, proc.stdout[-2000:]
+  # 3 kd_ckpt saves (seed 3's is stock Orbax's, unmeasured) and 4 restores.
+  assert proc.stdout.count('(most of 2)') == 7, proc.stdout[-2000:]
