@@ -1863,8 +1863,8 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
       # the bound prices a sharded leaf as if each shard decoded the whole
       # array, and batches of two leaves of 64 KiB over 8 devices left
       # TensorStore little to coalesce.  400 such leaves through a 20 ms link
-      # (`bench/slow_link.py`): 358 requests and 4.57 s, now 89 and 2.57 s
-      # (Orbax's reader alone: 92 and 2.2 s).
+      # (`bench/gcs_requests.py`): 329 requests and 4.21 s, now 52 and 2.34 s
+      # (Orbax's restore: 44-88 requests, 2.0-2.1 s).
       whole, whole_opened, small = {}, {}, {}
       for i in range(len(infos)):
         shape, dtype, sharding = spec_of(i)

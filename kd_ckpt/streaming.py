@@ -248,8 +248,9 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
           process_index=jax.process_index())
     futures = []
     if self._options.enable_write_sharding_file:
-      # Orbax's own sharding file writer: same `_sharding` as a stock save.
-      # Started after the data, so a failed save leaves no writer behind.
+      # The `_sharding` file a stock save writes, in one write
+      # (`arrays.write_sharding_file`).  Started after the data, so a failed
+      # save leaves no writer behind.
       futures.append(ocp.future.CommitFutureAwaitingContractedSignals(
           arrays_lib.write_sharding_file(
               [a.sharding for a in arrays], infos, primary_host=self._options.primary_host),
