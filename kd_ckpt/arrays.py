@@ -411,11 +411,8 @@ async def write_sharding_file(shardings: Sequence[jax.sharding.Sharding | None],
     serialized = strings[sharding]
     if serialized is None:
       continue
-    spec = compat.orbax.sharding_tspec(info.parent_dir.as_posix(), info.name)
-    key = _json_pointer_key(spec.pop('json_pointer'))
-    doc = documents.setdefault(json.dumps(spec['kvstore'], sort_keys=True, default=str),
-                               ({**spec, 'json_pointer': ''}, info.ts_context, {}))
-    doc[2][key] = serialized
+    where, spec, key = _sharding_entry(info)
+    documents.setdefault(where, (spec, info.ts_context, {}))[2][key] = serialized
   for spec, context, entries in documents.values():
     t = await ts.open(spec, open=True, context=context)
     await t.write({**await _read_document(t), **entries})
@@ -432,14 +429,19 @@ async def read_sharding_file(infos) -> list[str | None]:
     if info.name is None:
       out.append(None)
       continue
-    spec = compat.orbax.sharding_tspec(info.parent_dir.as_posix(), info.name)
-    key = _json_pointer_key(spec.pop('json_pointer'))
-    where = json.dumps(spec['kvstore'], sort_keys=True, default=str)
+    where, spec, key = _sharding_entry(info)
     if where not in documents:
-      t = await ts.open({**spec, 'json_pointer': ''}, open=True, context=info.ts_context)
+      t = await ts.open(spec, open=True, context=info.ts_context)
       documents[where] = await _read_document(t)
     out.append(documents[where].get(key) or None)
   return out
+
+
+def _sharding_entry(info) -> tuple[str, dict[str, Any], str]:
+  """(which file, its whole JSON document's spec, the leaf's key in it)."""
+  spec = compat.orbax.sharding_tspec(info.parent_dir.as_posix(), info.name)
+  key = _json_pointer_key(spec.pop('json_pointer'))
+  return json.dumps(spec['kvstore'], sort_keys=True, default=str), {**spec, 'json_pointer': ''}, key
 
 
 async def _read_document(t: ts.TensorStore) -> dict[str, Any]:
