@@ -296,9 +296,11 @@ class KdArrayHandler(ocp.type_handlers.ArrayHandler):
   async def metadata(self, infos):
     """Orbax's `ArrayHandler.metadata`, reading the `_sharding` file once.
 
-    Orbax's reads the whole file once per leaf, one after another: at 2,001
-    leaves, a 630 KB document parsed 2,001 times (from a bucket, 2,001 GETs
-    of it).  A restore without a target asks for this first.
+    Orbax's opens the file once per leaf and reads each entry in turn (a
+    JSON pointer into a 630 KB document at 2,001 leaves).  A restore without
+    a target asks for this first: 2,001 leaves restored in 1.52 s against
+    2.08 s.  From a bucket TensorStore served those reads with one GET either
+    way (`bench/gcs_requests.py`).
     """
     await asyncio.gather(*[info.await_path_creation() for info in infos])
     if infos[0].parent_dir is None:
@@ -421,8 +423,8 @@ async def write_sharding_file(shardings: Sequence[jax.sharding.Sharding | None],
 async def read_sharding_file(infos) -> list[str | None]:
   """Each leaf's entry in its item's `_sharding` file (None: no entry or no file).
 
-  The file is read once; Orbax's `ArrayHandler.metadata` reads the whole file
-  again for every leaf.
+  The file is read once; Orbax's `ArrayHandler.metadata` opens it once per
+  leaf and reads each entry in turn.
   """
   out, documents = [], {}
   for info in infos:
