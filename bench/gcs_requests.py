@@ -49,6 +49,11 @@ if state == 'leaves':
                    for i in range(leaves)}
   abstract = lambda: {f'l{i:04d}': jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=sharded)
                       for i in range(leaves)}
+elif state == 'big':
+  # One f32 leaf of `state_bytes` over 8 devices: shards of an eighth.
+  shape = (state_bytes // 4 // 1024 // 8 * 8, 1024)
+  build = lambda: {'w': jax.device_put(jax.random.normal(jax.random.key(0), shape, jnp.float32), sharded)}
+  abstract = lambda: {'w': jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharded)}
 else:
   build = lambda: workloads.build_gemma_gb(jax, state_bytes)
   abstract = lambda: workloads.abstract_gemma_gb(jax, state_bytes)
@@ -82,7 +87,7 @@ def _kind(line: str) -> str:
 
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.split('\n', 1)[0])
-  ap.add_argument('--state', choices=('leaves', 'gemma'), default='leaves')
+  ap.add_argument('--state', choices=('leaves', 'gemma', 'big'), default='leaves')
   ap.add_argument('--leaves', type=int, default=400)
   ap.add_argument('--state-bytes', type=int, default=1_150_000_000)
   ap.add_argument('--restores', default='kd,orbax,kd_target,orbax_target')

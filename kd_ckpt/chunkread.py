@@ -43,10 +43,11 @@ Example:
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import json
 import math
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -170,6 +171,12 @@ class StoredArray:
     fill_value: 0-d array, the value of absent chunks.
   """
 
+  # Reads accept what the kvstore cached after this time (seconds since
+  # the epoch; None: TensorStore's default, revalidated at each read).  An
+  # OCDBT kvstore revalidates its manifest for each read otherwise: from a
+  # bucket, a round trip before each.
+  staleness_bound: float | None = None
+
   def __init__(self, kvstore: ts.KvStore, name: str, meta: dict[str, Any]):
     self._kv, self.name, self.shape = kvstore, name, tuple(meta['shape'])
     self._shard = None  # (inner chunks per shard, index at end, has crc32c)
@@ -290,6 +297,109 @@ class StoredArray:
                     for o, a, b in zip(origin, plo, phi)), data
         del data
 
+  def can_read_into(self, box: Box, range_bytes: int) -> bool:
+    """Whether `start_read_into` reads `box`: raw chunks in C order and the
+    native byte order, whose rows (all but the first axis) fit a range, and
+    which `box` covers whole on every axis but the first, but where the
+    array ends: the padding read there is at most a quarter of the box."""
+    if (self.compressed or self.order != 'C' or self._stored != self.dtype or not self.shape
+        or math.prod(self.chunk_shape[1:]) * self.dtype.itemsize > range_bytes):
+      return False
+    lo, hi = self._bounds(box)
+    if any(a % c or (b % c and b != n)
+           for a, b, c, n in zip(lo[1:], hi[1:], self.chunk_shape[1:], self.shape[1:])):
+      return False
+    read = math.prod(-(-(b - a) // c) * c for a, b, c in zip(lo[1:], hi[1:], self.chunk_shape[1:]))
+    return 4 * read <= 5 * math.prod(b - a for a, b in zip(lo[1:], hi[1:]))
+
+  def start_read_into(self, box: Box, out: np.ndarray, range_bytes: int,
+                      flight_bytes: int) -> Callable[[], None]:
+    """Sends the first reads of `box` now; what it returns lands them all in `out`.
+
+    Each stored chunk's rows in `box` are a run of its bytes, read in byte
+    ranges of whole rows of at most `range_bytes`, with up to `flight_bytes`
+    of them in flight at once: from a bucket one request a range, each on a
+    connection of its own, where TensorStore reads a chunk in one request.
+    A 14.6 MiB raw chunk through a link of 20 ms and 200 MB/s a connection
+    (/tmp script, 3 reads a mode, fresh processes): 0.21 s in one
+    TensorStore read, 0.09-0.11 s in 4-8 ranges at once, peaking 24-27 MiB
+    beyond nothing (the first read of a process 34-37 MiB), against 28 MiB
+    (43 MiB) for TensorStore's read.  The call holds `out`, the reads in
+    flight and the one being landed (`ranged_charge`).
+
+    Only boxes `can_read_into` accepts; others raise NotImplementedError
+    before anything is read (read them with `read_pieces` or TensorStore).
+
+    Example:
+
+      out = hostmem.empty_aligned((rows, cols), w.dtype)
+      finish = w.start_read_into((slice(0, rows), slice(0, cols)), out, 2 << 20, 32 << 20)
+      ...                # other reads go out meanwhile
+      finish()           # out holds the box
+    """
+    if not self.can_read_into(box, range_bytes):
+      raise _unsupported(self.name, f'reading {box} straight into a buffer (zstd, F'
+                         ' order, a foreign byte order, 0-d, rows over a range, or'
+                         ' chunks the box cuts on an axis other than the first)')
+    lo, hi = self._bounds(box)
+    if (tuple(out.shape) != tuple(b - a for a, b in zip(lo, hi)) or out.dtype != self.dtype):
+      raise ValueError(f'out has shape {out.shape} and dtype {out.dtype}; reading'
+                       f' {box} of array {self.name!r} needs'
+                       f' {tuple(b - a for a, b in zip(lo, hi))} of {self.dtype}.')
+    c = self.chunk_shape
+    row = math.prod(c[1:]) * self.dtype.itemsize
+    step = max(range_bytes // row, 1)  # rows a range
+
+    def jobs():
+      """(destination view, kept part of the stored rows, bytes, future-maker)."""
+      grid = [range(a // n, (b - 1) // n + 1) for a, b, n in zip(lo, hi, c)]
+      for g in itertools.product(*grid):
+        origin = [i * n for i, n in zip(g, c)]
+        first, last = max(lo[0], origin[0]), min(hi[0], origin[0] + c[0])
+        keep = tuple(slice(0, min(n, b - o)) for o, b, n in zip(origin[1:], hi[1:], c[1:]))
+        cols = tuple(slice(o - a, o - a + k.stop) for o, a, k in zip(origin[1:], lo[1:], keep))
+        blob = self._locate(g)
+        for r in range(first, last, step):
+          n = min(step, last - r)
+          dst = out[(slice(r - lo[0], r - lo[0] + n), *cols)]
+          at = (r - origin[0]) * row
+          yield dst, keep, n * row, (None if blob is None else
+                                     functools.partial(self._read, blob, at, at + n * row))
+
+    pending: collections.deque = collections.deque()
+    todo = jobs()
+    state = {'in_flight': 0}
+
+    def send() -> None:
+      for dst, keep, size, read in todo:
+        pending.append((dst, keep, size, None if read is None else read()))
+        state['in_flight'] += size
+        if state['in_flight'] >= flight_bytes:
+          return
+
+    def finish() -> None:
+      while pending:
+        dst, keep, size, future = pending.popleft()
+        r = future.result() if future is not None else None
+        del future
+        state['in_flight'] -= size
+        if r is None or r.state == 'missing':  # an absent chunk: the fill value
+          dst[...] = self.fill_value
+          continue
+        value = r.value if r.state == 'value' else b''  # a copy each time it is asked
+        del r
+        if len(value) != size:
+          raise ValueError(f'array {self.name!r}: a stored chunk is shorter than its'
+                           ' shape says; the checkpoint is corrupt or being rewritten.')
+        dst[...] = np.frombuffer(value, self.dtype).reshape(
+            -1, *self.chunk_shape[1:])[(slice(None), *keep)]
+        del value
+        if state['in_flight'] < flight_bytes:
+          send()
+
+    send()
+    return finish
+
   def state_bytes(self, max_piece_bytes: int) -> int:
     """What a `read_pieces` call holds beyond its 2 pieces (bytes), at most.
 
@@ -370,10 +480,11 @@ class StoredArray:
     """Future of bytes [a, b) of `blob` (b=None: to its end)."""
     if b is None and blob.size is not None:
       b = blob.size
+    fresh = {} if self.staleness_bound is None else {'staleness_bound': self.staleness_bound}
     if a == 0 and b is None and blob.offset == 0:
-      return self._kv.read(blob.key)
+      return self._kv.read(blob.key, **fresh)
     stop = None if b is None else blob.offset + b
-    return self._kv.read(blob.key, byte_range=slice(blob.offset + a, stop))
+    return self._kv.read(blob.key, byte_range=slice(blob.offset + a, stop), **fresh)
 
   def _locate(self, g) -> _Blob | None:
     """Where chunk `g` is stored; None if known to be absent."""

@@ -192,6 +192,13 @@ def read_charge(piece_bytes: int, chunk_bytes: int) -> int:
   return int(piece_bytes + 2 * min(chunk_bytes, piece_bytes))
 
 
+def ranged_read_charge(flight_bytes: int, range_bytes: int) -> int:
+  """Byte ranges read straight into a host buffer (`chunkread.start_read_into`),
+  beyond that buffer: the reads in flight as TensorStore's responses and as
+  the bytes each hands over, and one range being landed."""
+  return int(2 * flight_bytes + range_bytes)
+
+
 def whole_read_charge(read_bytes: int, chunks_bytes: int, placed_bytes: int) -> int:
   """A small leaf read whole and placed in one batched transfer
   (`reading._read_whole`): the stored array and its cast (`read_bytes`),

@@ -38,6 +38,7 @@ from etils import epath
 import tensorstore as ts
 
 import kd_ckpt
+from kd_ckpt import hostmem
 from kd_ckpt import report as report_lib
 from kd_ckpt import storage
 from tests import gcs_server
@@ -329,8 +330,60 @@ def test_zero_leaves_through_orbax_writer_on_gcs(server, bucket):
 
 def _gcs_requests() -> int:
   """Read requests TensorStore's GCS driver has sent in this process."""
+  return _gcs_metric('read')
+
+
+def _gcs_metric(name: str) -> int:
+  """TensorStore's GCS driver's counter `name` in this process (0 before any use)."""
   return sum(v.get('value', 0) for m in ts.experimental_collect_matching_metrics(
-      '/tensorstore/kvstore/gcs/read') if m['name'].endswith('/gcs/read') for v in m['values'])
+      f'/tensorstore/kvstore/gcs/{name}') if m['name'].endswith(f'/gcs/{name}')
+             for v in m['values'])
+
+
+@pytest.mark.parametrize('ranged', [True, False])
+def test_big_raw_chunks_from_a_bucket_are_read_in_byte_ranges(server, bucket, monkeypatch, ranged):
+  """From a bucket, a raw chunk of `RANGED_FROM_BYTES` or more goes out in
+  byte ranges sent together (one request each, not one for the chunk),
+  each stored byte read once, with the same values, inside the budget."""
+  from kd_ckpt import reading  # pylint: disable=g-import-not-at-top
+  if not ranged:  # the control: TensorStore reads each chunk in one request
+    monkeypatch.setattr(reading, 'RANGED_FROM_BYTES', 1 << 40)
+  m1, _ = states.meshes()
+  tree = {'w': states.filled((16 * 1024, 1024), NS(m1, P('x')), seed=5),  # 8 MiB shards
+          'v': states.filled((8 * 1024, 1024 + 8), NS(m1, P('x')), seed=6)}
+  path = f'{bucket}/c'
+  kd_ckpt.save(path, tree, strategy='streaming', host_ram_budget=256 * MiB)
+  requests, down = _gcs_requests(), _gcs_metric('bytes_read')
+  with hostmem.PeakRss() as peak:
+    back = kd_ckpt.restore(path, _abstract(tree), host_ram_budget=96 * MiB)
+  requests, down = _gcs_requests() - requests, _gcs_metric('bytes_read') - down
+  _same(back, tree)
+  data = sum(x.nbytes for x in tree.values())
+  print(f'{"ranged" if ranged else "whole chunks"}: {requests} requests,'
+        f' {down / MiB:.1f} MiB down for {data / MiB:.0f} MiB;'
+        f' {(peak.extra_bytes - data) / MiB:.1f} MiB beyond the arrays')
+  assert down <= data * 1.02 + MiB, down
+  ranges = data // reading.RANGE_BYTES
+  assert (requests >= ranges) if ranged else (requests < ranges // 2), requests
+  assert peak.extra_bytes - data <= 96 * MiB + TOLERANCE, peak.extra_bytes
+
+
+def test_tiles_of_raw_chunks_from_a_bucket_read_each_byte_once(server, bucket):
+  """A shard too big for half the room is filled in place in tiles: tiles
+  that hold part of a raw chunk read only their byte ranges.  TensorStore
+  reads the whole chunk for any part of it: at 96 MiB this leaf's tiles
+  downloaded 6.6x its bytes."""
+  m1, _ = states.meshes()
+  tree = {'w': states.filled((12 * 1024, 2048), NS(m1, P('x')), seed=7)}  # 12 MiB shards
+  path = f'{bucket}/c'
+  kd_ckpt.save(path, tree, strategy='streaming', host_ram_budget=256 * MiB)
+  down = _gcs_metric('bytes_read')
+  back = kd_ckpt.restore(path, _abstract(tree), host_ram_budget=96 * MiB)
+  down = _gcs_metric('bytes_read') - down
+  _same(back, tree)
+  data = tree['w'].nbytes
+  print(f'tiles: {down / MiB:.1f} MiB down for {data / MiB:.0f} MiB')
+  assert down <= data * 1.02 + MiB, down
 
 
 @pytest.mark.parametrize('batched', [True, False])
@@ -341,7 +394,8 @@ def test_shard_reads_from_a_bucket_go_out_in_batches(server, bucket, monkeypatch
   if not batched:  # the control: one read at a time, as before batching
     monkeypatch.setattr(reading, '_batchable', lambda *a: False)
   m1, _ = states.meshes()
-  tree = {'w': states.filled((8 * 1024, 1024), NS(m1, P('x')), seed=3)}  # 32 MiB, 4 MiB shards
+  # 16 MiB, 2 MiB shards: below `RANGED_FROM_BYTES`, read by TensorStore.
+  tree = {'w': states.filled((4 * 1024, 1024), NS(m1, P('x')), seed=3)}
   path = f'{bucket}/c'
   kd_ckpt.save(path, tree, strategy='streaming', host_ram_budget=256 * MiB)
   before = _gcs_requests()
