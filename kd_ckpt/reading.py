@@ -229,7 +229,9 @@ class Source:
 
   `stream_zstd`: a leaf of one zstd chunk of at least `STREAM_ZSTD_FROM_BYTES`
   is read by chunkread too (local disks: from a bucket its windows are round
-  trips).
+  trips).  `ranged_kv` (from a bucket: the checkpoint's kvstore without read
+  coalescing): raw chunks of at least `RANGED_FROM_BYTES` are read in byte
+  ranges sent together (`ranged`, `_start_host`).
   """
 
   def __init__(self, name: str, t: ts.TensorStore, kv: ts.KvStore, ctx: ReadContext,
@@ -268,8 +270,8 @@ class Source:
     # From a bucket, big raw chunks are read in byte ranges sent at once
     # (`_start_host`), where TensorStore reads each in one request.
     self.ranged = None
-    if (ranged_kv is not None and self.stored is None
-        and self.chunk_bytes >= RANGED_FROM_BYTES and not _zstd_chunks(t)):
+    if (ranged_kv is not None and self.chunk_bytes >= RANGED_FROM_BYTES
+        and not _zstd_chunks(t)):
       try:
         self.ranged = chunkread.StoredArray(ranged_kv, name, t.spec().to_json()['metadata'])
       except (NotImplementedError, KeyError, ValueError, TypeError):
@@ -1320,10 +1322,11 @@ def _split_read(src: Source, inside, dtype, shared: bool) -> bool:
 
 
 def _batchable(src: Source, reserve) -> bool:
-  """Whether `src`'s reads may go out in TensorStore batches (`_start_host`):
-  TensorStore decodes its chunks (no chunkread), and no Orbax byte limiter
-  takes each read in turn."""
-  return src.stored is None and reserve is None
+  """Whether `src`'s reads may be started together (`_start_host`):
+  TensorStore decodes its chunks (no chunkread) or they are read in byte
+  ranges (`Source.ranged`; any other read then runs alone), and no Orbax
+  byte limiter takes each read in turn."""
+  return (src.stored is None or src.ranged is not None) and reserve is None
 
 
 def _task(lane: int, charge: int, src: Source, glob, inside, dtype, reserve, *,
@@ -1358,8 +1361,8 @@ def _batched_charge(src: Source, glob, inside, dtype, shared: bool, charge: int)
   if inside is None:
     return None
   if not _ranged(src, glob, inside, dtype):
-    if _split_read(src, inside, dtype, shared):
-      return None
+    if src.stored is not None or _split_read(src, inside, dtype, shared):
+      return None  # chunkread's reads, or several boxes: run alone
     if _zstd_chunks(src.t):
       charge += slicing.nbytes(inside, src.dtype.itemsize)
   return charge if charge <= src.ctx.pieces_capacity_bytes else None

@@ -290,6 +290,25 @@ def test_budget_holds_on_gcs(server, bucket, state):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize('state', ['prime', 'mesh2d_prime', 'one_replicated', 'edge_chunks'])
+@pytest.mark.parametrize('budget', [64 * MiB, 128 * MiB])
+@pytest.mark.parametrize('devices', ['shared', 'copying'])
+def test_ranged_reads_from_gcs_hold_the_budget(server, bucket, state, budget, devices):
+  """Saved at 512 MiB, these states' raw chunks are 4 MiB or more: from a
+  bucket they are read in byte ranges (`reading.RANGED_FROM_BYTES`), in
+  whole shards or in tiles, within the budget in a fresh process."""
+  d = f'{bucket}/c'
+  states.run_worker('save', d, state, str(STATE_BYTES), 'streaming', str(512 * MiB))
+  r = states.run_worker('restore', d, state, str(STATE_BYTES), str(budget),
+                        env=states.COPYING_DEVICES if devices == 'copying' else None)
+  beyond = r['peak_extra_bytes'] - r['restored_bytes']
+  print(f'gcs ranged restore {state} ({devices}) at {budget / MiB:.0f} MiB:'
+        f' {beyond / MiB:.1f} MiB beyond {r["restored_bytes"] / MiB:.0f} MiB restored')
+  assert r['restored_bytes'] >= STATE_BYTES * 0.9, r
+  assert beyond <= budget + TOLERANCE, r
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize('state,budget', [('prime', 96 * MiB), ('mesh2d_prime', 128 * MiB),
                                           ('fsdp_dp', 128 * MiB)])
 def test_stock_checkpoint_from_gcs_filled_in_place_holds_the_budget(server, bucket, state, budget):
