@@ -8,8 +8,8 @@ Orbax's shows where they go.
 
 States: `leaves` is `--leaves` f32 leaves of (64, 256) over 8 CPU devices
 (64 KiB each; small leaves that Orbax's reader reads), `gemma` the bench's
-Gemma-like state of `--state-bytes`; both saved once by kd_ckpt's streaming
-writer.  Restores: `kd` and `orbax` (`StandardCheckpointer`) without a
+Gemma-like state of `--state-bytes`, `big` one f32 leaf of `--state-bytes`
+over 8 devices; each saved once by kd_ckpt's streaming writer.  Restores: `kd` and `orbax` (`StandardCheckpointer`) without a
 target (the shardings come from `_sharding`), `kd_target` and
 `orbax_target` onto the saved layout.
 
