@@ -385,15 +385,15 @@ class StoredArray:
         state['in_flight'] -= size
         if r is None or r.state == 'missing':  # an absent chunk: the fill value
           dst[...] = self.fill_value
-          continue
-        value = r.value if r.state == 'value' else b''  # a copy each time it is asked
-        del r
-        if len(value) != size:
-          raise ValueError(f'array {self.name!r}: a stored chunk is shorter than its'
-                           ' shape says; the checkpoint is corrupt or being rewritten.')
-        dst[...] = np.frombuffer(value, self.dtype).reshape(
-            -1, *self.chunk_shape[1:])[(slice(None), *keep)]
-        del value
+        else:
+          value = r.value if r.state == 'value' else b''  # a copy each time it is asked
+          del r
+          if len(value) != size:
+            raise ValueError(f'array {self.name!r}: a stored chunk is shorter than its'
+                             ' shape says; the checkpoint is corrupt or being rewritten.')
+          dst[...] = np.frombuffer(value, self.dtype).reshape(
+              -1, *self.chunk_shape[1:])[(slice(None), *keep)]
+          del value
         if state['in_flight'] < flight_bytes:
           send()
 

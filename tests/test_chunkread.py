@@ -260,6 +260,24 @@ def test_other_layouts_written_by_tensorstore(tmp_path):
   assert (absent == 7.5).all()
 
 
+def test_read_into_goes_on_past_absent_chunks(tmp_path):
+  """`start_read_into` with one range in flight: absent chunks before the
+  stored one are filled, and the reads after them are still sent."""
+  d = str(tmp_path)
+  data = np.arange(40 * 8, dtype=np.float32).reshape(40, 8)
+  _ts_create(d, 'late', 'zarr', {'shape': [40, 8], 'chunks': [10, 8], 'dtype': '<f4',
+                                 'compressor': None, 'fill_value': 2.5},
+             data, (slice(30, 40), slice(0, 8)))
+  a = chunkread.StoredArray.open(_kv(d), 'late')
+  box = (slice(0, 40), slice(0, 8))
+  assert a.can_read_into(box, 64)
+  out = np.zeros((40, 8), np.float32)
+  a.start_read_into(box, out, 64, 64)()  # two rows a range, one range in flight
+  want = np.full((40, 8), 2.5, np.float32)
+  want[30:] = data[30:]
+  assert out.tobytes() == want.tobytes()
+
+
 def test_unsupported_formats_say_what_and_where(tmp_path):
   d = str(tmp_path)
   data = np.zeros((8, 8), np.float32)
