@@ -492,7 +492,10 @@ class StoredArray:
       return _Blob(self._key(g))
     per, end, crc = self._shard
     key = self._key([i // p for i, p in zip(g, per)])
-    if self._index_cache[0] != key:
+    # One tuple read once: a ranged read (`start_read_into`) locates chunks
+    # from its reader's thread and from the thread that lands its ranges.
+    cached = self._index_cache
+    if cached[0] != key:
       n = math.prod(per)
       size = 16 * n + 4 * crc
       r = self._kv.read(key, byte_range=slice(-size, None) if end
@@ -506,8 +509,8 @@ class StoredArray:
           raise ValueError(f'array {self.name!r}: shard {key} has a bad index '
                            'checksum; the checkpoint is corrupt.')
         index = np.frombuffer(raw, '<u8', count=2 * n).reshape(n, 2)
-      self._index_cache = (key, index)
-    index = self._index_cache[1]
+      cached = self._index_cache = (key, index)
+    index = cached[1]
     if index is None:
       return None
     i = np.ravel_multi_index([i % p for i, p in zip(g, per)], per) if per else 0
