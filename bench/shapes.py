@@ -26,6 +26,7 @@ appends every rep's numbers.
 
   .venv/bin/python bench/shapes.py --mib 512 --reps 3 --out bench/results/shapes.md
   .venv/bin/python bench/shapes.py --states mixed,replicated --reps 5
+  .venv/bin/python bench/shapes.py --states many_small --reps 5 --no-target
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ STATES = ('sharded', 'replicated', 'mesh2d', 'mixed', 'one_replicated', 'prime',
 RESULT = 'SHAPES_RESULT '
 
 
-def _worker(name: str, total_bytes: int, budget: str, reps: int, root: str) -> dict:
+def _worker(name: str, total_bytes: int, budget: str, reps: int, root: str,
+            no_target: bool = False) -> dict:
   os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
   sys.path.insert(0, REPO)
   import jax  # pylint: disable=g-import-not-at-top
@@ -61,6 +63,8 @@ def _worker(name: str, total_bytes: int, budget: str, reps: int, root: str) -> d
   tree = jax.block_until_ready(states.make_state(name, total_bytes))
   target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
                         tree)
+  if no_target:  # restores onto the shapes, dtypes and shardings saved
+    target = None
   secs: dict[str, list[float]] = {}
   user: dict[str, list[float]] = {}
   faults: dict[str, list[int]] = {}
@@ -144,10 +148,12 @@ def main() -> int:
   ap.add_argument('--dir', default=None, help='where to write (default: a temp dir)')
   ap.add_argument('--out', default='')
   ap.add_argument('--raw', default='', help='append each state\'s per-rep numbers (JSON lines)')
+  ap.add_argument('--no-target', action='store_true',
+                  help='restore without a target (each library reads the saved metadata)')
   ap.add_argument('--worker', default='')
   args = ap.parse_args()
   if args.worker:
-    r = _worker(args.worker, args.mib << 20, args.budget, args.reps, args.dir)
+    r = _worker(args.worker, args.mib << 20, args.budget, args.reps, args.dir, args.no_target)
     print(RESULT + json.dumps(r), flush=True)
     return 0
   sys.path.insert(0, os.path.join(REPO, 'bench'))
@@ -155,9 +161,11 @@ def main() -> int:
   thp = workloads.disable_thp()  # the workers inherit it
   rev = subprocess.run(['git', '-C', REPO, 'rev-parse', '--short', 'HEAD'],
                        capture_output=True, text=True, check=False).stdout.strip()
+  no_target = ' --no-target' if args.no_target else ''
   lines = [f'<!-- .venv/bin/python bench/shapes.py --mib {args.mib} --budget {args.budget}'
-           f' --reps {args.reps} (at {rev}) -->',
-           f'tests/states.py states of {args.mib} MiB, kd_ckpt at {args.budget}; medians of'
+           f' --reps {args.reps}{no_target} (at {rev}) -->',
+           f'tests/states.py states of {args.mib} MiB, kd_ckpt at {args.budget}'
+           f'{"; restores without a target" if args.no_target else ""}; medians of'
            f' {args.reps} alternating reps (each in the reverse order of the last), one process a state;'
            f' x = kd_ckpt / Orbax; {thp}.',
            '',
@@ -180,7 +188,8 @@ def main() -> int:
     root = tempfile.mkdtemp(prefix=f'kd_shapes_{name}_', dir=args.dir)
     try:
       p = subprocess.run([sys.executable, __file__, '--worker', name, '--mib', str(args.mib),
-                          '--budget', args.budget, '--reps', str(args.reps), '--dir', root],
+                          '--budget', args.budget, '--reps', str(args.reps), '--dir', root]
+                         + (['--no-target'] if args.no_target else []),
                          capture_output=True, text=True, check=False)
     finally:
       shutil.rmtree(root, ignore_errors=True)

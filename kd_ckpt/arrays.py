@@ -111,18 +111,21 @@ class SaveContext:
 
 
 def read_context_for(capacity_bytes: int, num_leaves: int = 0, *, budget_bytes: int = 0,
-                     startup_bytes: int = 0, price_only: bool = False) -> reading.ReadContext:
+                     startup_bytes: int = 0, price_only: bool = False,
+                     keep_opened: bool = False) -> reading.ReadContext:
   """A restore's reads: pieces sized to what the leaves' bookkeeping leaves.
 
   `budget_bytes`, `startup_bytes`: the budget behind `capacity_bytes` and
   what the process's start-up took of it, for refusals to name a budget.
   `price_only`: read nothing, raise `reading.Priced` (`ReadContext`).
+  `keep_opened`: the leaves a handler opens for their metadata are kept
+  for the read (a context of one restore only).
   """
   pieces = capacity_bytes - cost.leaves_charge(num_leaves)
   return reading.ReadContext(limiter_lib.process_limiter(), capacity_bytes,
                              cost.restore_piece_bytes(pieces), pieces,
                              budget_bytes=budget_bytes, startup_bytes=startup_bytes,
-                             price_only=price_only)
+                             price_only=price_only, opened={} if keep_opened else None)
 
 
 # A leaf this process holds at least this many bytes of, all zero (an
@@ -306,12 +309,15 @@ class KdArrayHandler(ocp.type_handlers.ArrayHandler):
     if infos[0].parent_dir is None:
       raise ValueError('parent_dir cannot be None')
     metadata_key = compat.handler_option(self, 'metadata_key')
-    stores = await asyncio.gather(*[
-        ts.open(ts.Spec(compat.orbax.build_array_read_spec(
-            info, use_ocdbt=info.is_ocdbt_checkpoint, metadata_key=metadata_key,
-            raise_array_data_missing_error=info.raise_array_data_missing_error).json),
-                open=True, context=info.ts_context)
-        for info in infos])
+    if self._read_ctx.opened is not None:  # a restore's: its read takes them
+      stores = await asyncio.to_thread(reading.keep_opened, infos, self._read_ctx, metadata_key)
+    else:
+      stores = await asyncio.gather(*[
+          ts.open(ts.Spec(compat.orbax.build_array_read_spec(
+              info, use_ocdbt=info.is_ocdbt_checkpoint, metadata_key=metadata_key,
+              raise_array_data_missing_error=info.raise_array_data_missing_error).json),
+                  open=True, context=info.ts_context)
+          for info in infos])
     exists = await asyncio.to_thread(
         (infos[0].parent_dir / compat.orbax.sharding_file_name).exists)
     strings = await read_sharding_file(infos) if exists else [None] * len(infos)
@@ -321,8 +327,11 @@ class KdArrayHandler(ocp.type_handlers.ArrayHandler):
 
   async def deserialize(self, infos, args=None):
     # Small leaves `reading` may not read whole go to Orbax's own reader.
-    return await reading.read_arrays(self, infos, args, self._read_ctx,
-                                     stock_read=self._stock.deserialize)
+    try:
+      return await reading.read_arrays(self, infos, args, self._read_ctx,
+                                       stock_read=self._stock.deserialize)
+    finally:  # kept for this read only, taken or not
+      reading.forget_opened(self._read_ctx, infos)
 
 
 def refuse_zero_size(values, infos, fix: str) -> None:

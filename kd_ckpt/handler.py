@@ -322,7 +322,8 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     (at least `budget_bytes`) its pieces and programs fit in, nothing read."""
     capacity = cost.limiter_capacity(budget_bytes) - startup_bytes
     read = arrays_lib.read_context_for(capacity, num_leaves, budget_bytes=budget_bytes,
-                                       startup_bytes=startup_bytes, price_only=price_only)
+                                       startup_bytes=startup_bytes, price_only=price_only,
+                                       keep_opened=args.item is None)
     impl = self._pytree_handler(arrays_lib.KdArrayHandler(read=read),
                                 arrays_lib.KdNumpyHandler(read=read))
     restore_args = compat.orbax.construct_restore_args(

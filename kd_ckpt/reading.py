@@ -101,6 +101,9 @@ class ReadContext:
   # Price the read at `budget_bytes`, read nothing: `read_arrays` raises
   # `Priced` once it knows whether its pieces and programs fit there.
   price_only: bool = False
+  # Leaves opened for their metadata (a restore without a target asks for it
+  # first), kept for the read (`_open_many` takes them); None: not kept.
+  opened: dict | None = dataclasses.field(default=None, compare=False, repr=False)
 
   def __post_init__(self):
     if not self.pieces_capacity_bytes:
@@ -1593,15 +1596,27 @@ def _open_many(infos, ctx: ReadContext, metadata_key) -> list[tuple[ts.TensorSto
 
   The opens are all started before any is awaited (each reads its metadata:
   one at a time they cost ~1 ms a leaf at 10,000 leaves), and leaves of one
-  directory share one kvstore.
+  directory share one kvstore.  A leaf opened already for its metadata
+  (`ctx.opened`, `keep_opened`) is taken from there, not opened again.
   """
-  pending, kvs = [], {}
+  return _open_keyed(infos, ctx, metadata_key)[1]
+
+
+def _open_keyed(infos, ctx: ReadContext, metadata_key):
+  """`_open_many`, and each leaf's key in `ReadContext.opened`."""
+  kept = ctx.opened if ctx.opened is not None else {}
+  keys, pending, kvs = [], [], {}
   for info in infos:
+    where = (info.parent_dir.as_posix(), bool(info.is_ocdbt_checkpoint))
+    key = (*where, info.name, bool(getattr(info, 'use_zarr3', False)), metadata_key)
+    keys.append(key)
+    if key in kept:
+      pending.append(kept.pop(key))
+      continue
     spec = compat.orbax.build_array_read_spec(
         info, use_ocdbt=info.is_ocdbt_checkpoint, metadata_key=metadata_key,
         raise_array_data_missing_error=info.raise_array_data_missing_error,
         target_dtype=None).json
-    where = (info.parent_dir.as_posix(), bool(info.is_ocdbt_checkpoint))
     if where not in kvs:
       # Without OCDBT the folder itself is the kvstore: with its trailing
       # slash, or keys ("big/0.0") would be read beside it ("<dir>big/0.0").
@@ -1611,7 +1626,33 @@ def _open_many(infos, ctx: ReadContext, metadata_key) -> list[tuple[ts.TensorSto
           context=ctx.ts_context)
     pending.append((ts.open(spec, open=True, context=ctx.ts_context), where))
   opened = {where: f.result() for where, f in kvs.items()}
-  return [(f.result(), opened[where]) for f, where in pending]
+  return keys, [got if isinstance(got[1], ts.KvStore) else (got[0].result(), opened[got[1]])
+                for got in pending]
+
+
+def keep_opened(infos, ctx: ReadContext, metadata_key) -> list[ts.TensorStore]:
+  """The leaves' stored arrays, opened as `_open_many` opens them and kept
+  in `ctx.opened` for the read that follows (where `ctx` keeps them).
+
+  A restore without a target asks every leaf's metadata first: Orbax's
+  `metadata` opened each array for it, then the read opened it again.
+  2,000 leaves of 4 KiB restored without a target (8 devices, local disk):
+  1.07-1.16 s, of which 0.46-0.48 s were the metadata's opens, against
+  0.52-0.57 s with a target.
+  """
+  keys, got = _open_keyed(infos, ctx, metadata_key)
+  if ctx.opened is not None:
+    ctx.opened.update(zip(keys, got))
+  return [t for t, _ in got]
+
+
+def forget_opened(ctx: ReadContext, infos) -> None:
+  """Drops what `keep_opened` kept of `infos` (a read that will not take it)."""
+  if ctx.opened:
+    names = {info.name for info in infos}
+    for key in list(ctx.opened):  # one step: a read's thread may be taking some
+      if key[2] in names:
+        ctx.opened.pop(key, None)
 
 
 async def _check_files(infos, handler) -> None:
@@ -2001,6 +2042,8 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
         elif stock_read is not None and (c := _stock_charge(t, shape, dtype, sharding)) <= ctx.piece_bytes:
           small[i] = c
       rest = [i for i in range(len(infos)) if i not in small and i not in whole]
+      # Orbax's reader opens its leaves itself: what their metadata opened goes.
+      forget_opened(ctx, [infos[i] for i in small])
       leaves = [leaf for i, leaf in zip(opened, leaves) if i not in small and i not in whole]
       if ctx.price_only:  # nothing is read
         least = ctx.budget_bytes

@@ -629,7 +629,8 @@ def _worker(argv):
     orbax                    Orbax's default async save (StandardCheckpointer)
     stock                    the same, unmeasured (a checkpoint to restore)
     restore BUDGET [VIA]     kd_ckpt.restore (VIA=ckpt: SafeCheckpointer.restore
-                             of a `ckpt` save); peak and the restored bytes
+                             of a `ckpt` save; VIA=none: no target); peak and
+                             the restored bytes
     cold_save STRATEGY BUDGET    kd_ckpt.save as the process's first jit
                              (STATE is ignored: `host_made`)
     cold_restore BUDGET      kd_ckpt.restore, no target, as the first jit
@@ -752,6 +753,10 @@ def _worker(argv):
                                       host_ram_budget=budget)
       with hostmem.PeakRss() as peak:
         back = ckpt.restore(State(params=abstract), step=1, donate=False)
+        jax.block_until_ready(back)
+    elif via == 'none':  # no target: shapes, dtypes and shardings as saved
+      with hostmem.PeakRss() as peak:
+        back = kd_ckpt.restore(directory, host_ram_budget=budget, strict=strict)
         jax.block_until_ready(back)
     else:
       with hostmem.PeakRss() as peak:

@@ -96,6 +96,37 @@ def test_restore_without_target_uses_saved_shardings(tmp_path):
   assert np.array_equal(np.asarray(back['w']), np.asarray(tree['w']))
 
 
+@pytest.mark.parametrize('saved_by', ['streaming', 'stock'])
+def test_a_restore_without_a_target_opens_each_array_once(tmp_path, monkeypatch, saved_by):
+  """Its metadata opens every array (shape, dtype, chunks); the read takes
+  those, where it opened each again.  Values and shardings as saved."""
+  import collections  # pylint: disable=g-import-not-at-top
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+
+  m1, _ = states.meshes()
+  tree = {f'l{i:02d}': states.filled((64, 8 + i), states.NS(m1, states.P('x'))) for i in range(12)}
+  tree['rep'] = jnp.arange(24, dtype=jnp.bfloat16)
+  if saved_by == 'stock':
+    with ocp.StandardCheckpointer() as ckptr:
+      ckptr.save(tmp_path / 'c', tree)
+  else:
+    kd_ckpt.save(tmp_path / 'c', tree, strategy='streaming')
+  real, opened = ts.open, collections.Counter()
+
+  def counted(spec, *args, **kwargs):
+    j = spec.to_json() if isinstance(spec, ts.Spec) else spec
+    if isinstance(j, dict) and j.get('driver') in ('zarr', 'zarr3'):
+      opened[j['kvstore'].get('path')] += 1
+    return real(spec, *args, **kwargs)
+
+  monkeypatch.setattr(ts, 'open', counted)
+  back = kd_ckpt.restore(tmp_path / 'c', host_ram_budget='128MiB')
+  assert sorted(opened) == sorted(tree) and set(opened.values()) == {1}, opened
+  for k, v in tree.items():
+    assert back[k].sharding.is_equivalent_to(v.sharding, v.ndim), k
+    assert np.asarray(back[k]).tobytes() == np.asarray(v).tobytes(), k
+
+
 def test_missing_checkpoint(tmp_path):
   with pytest.raises(FileNotFoundError, match='No checkpoint'):
     kd_ckpt.restore(tmp_path / 'nope')

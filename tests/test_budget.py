@@ -169,15 +169,26 @@ def test_async_safe_checkpointer_report_covers_the_whole_save(tmp_path, state):
     assert r['peak_extra_bytes'] >= 0.8 * r['whole_save_peak_extra_bytes'] - TOLERANCE, r
 
 
-def _check_restore(d, state, saved_by, budget, devices):
+def _check_restore(d, state, saved_by, budget, devices, via='api'):
   """Restores checkpoint `d` of `state` in a fresh process: its peak beyond
   the restored arrays is within the budget."""
-  r = states.run_worker('restore', d, state, str(STATE_BYTES), str(budget),
+  r = states.run_worker('restore', d, state, str(STATE_BYTES), str(budget), via,
                         env=states.COPYING_DEVICES if devices == 'copying' else None)
   beyond = r['peak_extra_bytes'] - r['restored_bytes']
-  print(f'restore {state} ({saved_by}, {devices}) at {budget / MiB:.0f} MiB:'
+  print(f'restore {state} ({saved_by}, {devices}, {via}) at {budget / MiB:.0f} MiB:'
         f' {beyond / MiB:.1f} MiB beyond {r["restored_bytes"] / MiB:.0f} MiB restored')
   assert beyond <= budget + TOLERANCE, r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('state,saved_by,devices', [
+    ('many_small', 'streaming', 'cpu'), ('many_small', 'stock', 'copying'),
+    ('mesh2d_prime', 'auto', 'cpu'), ('mixed_dtypes', 'stock', 'cpu')])
+def test_restore_without_a_target_holds_the_budget(saved, state, saved_by, devices):
+  """Without a target every leaf is opened for its metadata first, and what
+  was opened is kept for the read (`reading.keep_opened`): held through it."""
+  _check_restore(saved(state, saved_by), state, saved_by,
+                 96 * MiB if state == 'many_small' else 48 * MiB, devices, via='none')
 
 
 @pytest.mark.slow
