@@ -1637,8 +1637,8 @@ def keep_opened(infos, ctx: ReadContext, metadata_key) -> list[ts.TensorStore]:
   A restore without a target asks every leaf's metadata first: Orbax's
   `metadata` opened each array for it, then the read opened it again.
   2,000 leaves of 4 KiB restored without a target (8 devices, local disk):
-  1.07-1.16 s, of which 0.46-0.48 s were the metadata's opens, against
-  0.52-0.57 s with a target.
+  1.08-1.20 s, 0.46-0.48 s of it in `metadata`, against 0.49-0.73 s with a
+  target; 0.79-0.92 s with the opened arrays kept (bench/results/shapes.md).
   """
   keys, got = _open_keyed(infos, ctx, metadata_key)
   if ctx.opened is not None:
