@@ -9,13 +9,16 @@ Orbax's shows where they go.
 States: `leaves` is `--leaves` f32 leaves of (64, 256) over 8 CPU devices
 (64 KiB each; small leaves that Orbax's reader reads), `gemma` the bench's
 Gemma-like state of `--state-bytes`, `big` one f32 leaf of `--state-bytes`
-over 8 devices; each saved once by kd_ckpt's streaming writer.  Restores: `kd` and `orbax` (`StandardCheckpointer`) without a
+over 8 devices; each saved once by kd_ckpt's streaming writer at 256 MiB,
+or with `--saved-by orbax` by stock Orbax (`StandardCheckpointer`: zstd, one
+chunk a shard).  Restores: `kd` and `orbax` (`StandardCheckpointer`) without a
 target (the shardings come from `_sharding`), `kd_target` and
 `orbax_target` onto the saved layout.
 
 Example:
 
   python bench/gcs_requests.py --state leaves --leaves 400 --restores kd_target,orbax_target
+  python bench/gcs_requests.py --state big --state-bytes 400000000 --saved-by orbax
 """
 
 from __future__ import annotations
@@ -61,6 +64,11 @@ if op == 'save':
   kd_ckpt.save(path, build(), strategy='streaming', host_ram_budget='256MiB')
   print(json.dumps({}))
   sys.exit()
+if op == 'save_orbax':
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(path, build())
+  print(json.dumps({}))
+  sys.exit()
 target = abstract() if op.endswith('_target') else None
 t = time.perf_counter()
 if op.startswith('kd'):
@@ -92,6 +100,7 @@ def main() -> int:
   ap.add_argument('--state-bytes', type=int, default=1_150_000_000)
   ap.add_argument('--restores', default='kd,orbax,kd_target,orbax_target')
   ap.add_argument('--reps', type=int, default=1)
+  ap.add_argument('--saved-by', choices=('streaming', 'orbax'), default='streaming')
   ap.add_argument('--link-latency-ms', type=float, default=20.0)
   ap.add_argument('--link-mbs', type=float, default=200.0)
   args = ap.parse_args()
@@ -119,11 +128,13 @@ def main() -> int:
                    kinds=collections.Counter(_kind(l) for l in link.request_lines))
         return out
 
-      run('save')
+      run('save' if args.saved_by == 'streaming' else 'save_orbax')
       rows = [(op, run(op)) for _ in range(args.reps) for op in args.restores.split(',')]
   state = (f'{args.leaves} f32 leaves of (64, 256) over 8 devices' if args.state == 'leaves'
-           else f'Gemma-like, {args.state_bytes / 1e9:.2f} GB over 8 devices')
-  print(f'State: {state}, saved by kd_ckpt streaming; link: each request'
+           else f'one f32 leaf of {args.state_bytes / 1e9:.2f} GB over 8 devices'
+           if args.state == 'big' else f'Gemma-like, {args.state_bytes / 1e9:.2f} GB over 8 devices')
+  saved_by = 'kd_ckpt streaming' if args.saved_by == 'streaming' else 'stock Orbax'
+  print(f'State: {state}, saved by {saved_by}; link: each request'
         f' {args.link_latency_ms:g} ms later, each connection at most {args.link_mbs:g} MB/s.\n')
   print('| restore | seconds | requests | MB down | requests by object (most first) |')
   print('| --- | --- | --- | --- | --- |')

@@ -238,13 +238,21 @@ class StoredArray:
     self.max_cursors = 1
 
   @classmethod
-  def open(cls, kvstore: ts.KvStore, name: str) -> StoredArray:
-    """Opens array `name` of the checkpoint whose root OCDBT kvstore is given."""
+  def open(cls, kvstore: ts.KvStore, name: str, *,
+           staleness_bound: float | None = None) -> StoredArray:
+    """Opens array `name` of the checkpoint whose root OCDBT kvstore is given.
+
+    `staleness_bound`: its reads (this one's too) accept what the kvstore
+    cached after this time (`StoredArray.staleness_bound`).
+    """
     name = name.strip('/')
+    fresh = {} if staleness_bound is None else {'staleness_bound': staleness_bound}
     for key in (f'{name}/.zarray', f'{name}/zarr.json'):
-      r = kvstore.read(key).result()
+      r = kvstore.read(key, **fresh).result()
       if r.state == 'value':
-        return cls(kvstore, name, json.loads(r.value))
+        stored = cls(kvstore, name, json.loads(r.value))
+        stored.staleness_bound = staleness_bound
+        return stored
     raise FileNotFoundError(
         f'No array {name!r} in this kvstore (neither {name}/.zarray nor '
         f'{name}/zarr.json); pass the checkpoint root OCDBT kvstore and the '
@@ -498,8 +506,9 @@ class StoredArray:
     if cached[0] != key:
       n = math.prod(per)
       size = 16 * n + 4 * crc
+      fresh = {} if self.staleness_bound is None else {'staleness_bound': self.staleness_bound}
       r = self._kv.read(key, byte_range=slice(-size, None) if end
-                        else slice(0, size)).result()
+                        else slice(0, size), **fresh).result()
       index = None
       if r.state == 'value':
         raw = r.value

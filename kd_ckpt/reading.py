@@ -254,7 +254,7 @@ class Source:
         and STREAM_ZSTD_FROM_BYTES <= self.chunk_bytes <= ctx.piece_bytes and _zstd_chunks(t)):
       self.stream_chunks()
     elif self.chunk_bytes > ctx.piece_bytes:
-      self.stored = chunkread.StoredArray.open(kv, name)
+      self.stored = chunkread.StoredArray.open(kv, name, staleness_bound=ctx.opened_secs)
       # Its state grows with the piece: read in pieces small enough that
       # pieces, state and the kept decoder stay within what the read set
       # aside for them.
@@ -299,7 +299,8 @@ class Source:
     if self.stored is not None or self.kv is None:
       return
     try:
-      self.stored = chunkread.StoredArray.open(self.kv, self.name)
+      self.stored = chunkread.StoredArray.open(self.kv, self.name,
+                                               staleness_bound=self.ctx.opened_secs)
       self.read_bytes = self._read_bytes(1)
     except NotImplementedError:  # a layout chunkread does not read: TensorStore
       self.stored = None
@@ -363,7 +364,8 @@ class Source:
     other = copy.copy(self)
     other.held_bytes = 0
     if self.stored is not None:
-      other.stored = chunkread.StoredArray.open(self.kv, self.name)
+      other.stored = chunkread.StoredArray.open(self.kv, self.name,
+                                                staleness_bound=self.ctx.opened_secs)
     return other
 
   def hold_decoders(self, *, wait: bool = True) -> bool:
