@@ -1172,7 +1172,7 @@ def _fill_side_by_side(fill, leaves) -> None:
       raise
 
 
-def _parts_can_read(leaves, piece_bytes: int) -> bool:
+def _parts_can_read(leaves, piece_bytes: int, staleness_bound: float | None = None) -> bool:
   """Whether pieces of `piece_bytes` read every leaf (`fill_all`'s tuples).
 
   A chunk bigger than a piece is read by chunkread, whose decoder window
@@ -1186,7 +1186,7 @@ def _parts_can_read(leaves, piece_bytes: int) -> bool:
     if math.prod(_stored_chunk(t)) * stored_itemsize <= piece_bytes:
       continue
     try:
-      stored = chunkread.StoredArray.open(kv, info.name)
+      stored = chunkread.StoredArray.open(kv, info.name, staleness_bound=staleness_bound)
     except NotImplementedError:
       return False
     try:
@@ -1950,7 +1950,7 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
       # Each part's share holds every program: one part may have room.
       parts = 1
       read, programs = sized(1)
-    if parts > 1 and not _parts_can_read(leaves, read.piece_bytes):
+    if parts > 1 and not _parts_can_read(leaves, read.piece_bytes, read.opened_secs):
       parts = 1
       read, programs = sized(1)
     # The programs are held from the same limiter: what a leaf may take
@@ -1974,6 +1974,13 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
       info, arg, t, kv, shape, dtype, sharding, _ = leaves[j]
       with Source(info.name, t, kv, read, stream_zstd=not remote,
                   ranged_kv=ranged_kv(kv) if remote and kv is not None else None) as src:
+        if remote and src.stored is not None and src.stored.compressed:
+          # zstd chunks bigger than a piece stream through kept decoders,
+          # whose windows in flight each lane's state holds (`_lanes`): from
+          # a bucket one lane waited on the network a window at a time.  A
+          # stock leaf of 400 MB (8 chunks of 50 MB) through a 20 ms link at
+          # 256 MiB: 4.8 s with one lane, 3.0 s with two (Orbax: 4.1-4.6 s).
+          max_lanes = MAX_READ_LANES
         out[j] = fill_array(
             src, shape, dtype, sharding, strict=getattr(arg, 'strict', True),
             max_lanes=max_lanes, batch_reads=remote, name=info.name, reserve=reserves[j])

@@ -309,20 +309,25 @@ def test_ranged_reads_from_gcs_hold_the_budget(server, bucket, state, budget, de
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize('state,budget', [('prime', 96 * MiB), ('mesh2d_prime', 128 * MiB),
-                                          ('fsdp_dp', 128 * MiB)])
-def test_stock_checkpoint_from_gcs_filled_in_place_holds_the_budget(server, bucket, state, budget):
+@pytest.mark.parametrize('state,budget,devices', [
+    ('prime', 96 * MiB, 'copying'), ('mesh2d_prime', 128 * MiB, 'copying'),
+    ('fsdp_dp', 128 * MiB, 'copying'), ('prime', 48 * MiB, 'shared'),
+    ('prime', 128 * MiB, 'shared'), ('mesh2d_prime', 64 * MiB, 'shared'),
+    ('prime', 48 * MiB, 'copying')])
+def test_stock_checkpoint_from_gcs_filled_in_place_holds_the_budget(server, bucket, state, budget,
+                                                                    devices):
   """Stock Orbax's one zstd chunk per shard (8 of ~24 MiB; `fsdp_dp`: 2
   shards on 4 devices each, a chunk a replica), from a bucket, on devices
-  that copy their host shards (GPUs): shards are filled in place, piece by
-  piece, each chunk read in byte ranges through a kept decoder
-  (`chunkread`), every shard's next piece in turn."""
+  that copy their host shards (GPUs) or keep them (CPU): shards are filled
+  in place, piece by piece, each chunk read in byte ranges through a kept
+  decoder (`chunkread`), every shard's next piece in turn, in as many
+  lanes (each with decoders of its own) as fit."""
   d = f'{bucket}/stock'
   states.run_worker('stock', d, state, str(STATE_BYTES))
   r = states.run_worker('restore', d, state, str(STATE_BYTES), str(budget),
-                        env=states.COPYING_DEVICES)
+                        env=states.COPYING_DEVICES if devices == 'copying' else None)
   beyond = r['peak_extra_bytes'] - r['restored_bytes']
-  print(f'gcs stock restore {state} (copying) at {budget / MiB:.0f} MiB:'
+  print(f'gcs stock restore {state} ({devices}) at {budget / MiB:.0f} MiB:'
         f' {beyond / MiB:.1f} MiB beyond {r["restored_bytes"] / MiB:.0f} MiB restored')
   assert r['restored_bytes'] >= STATE_BYTES * 0.9, r
   assert beyond <= budget + TOLERANCE, r
