@@ -299,10 +299,16 @@ def test_ranged_reads_from_gcs_hold_the_budget(server, bucket, state, budget, de
   whole shards or in tiles, within the budget in a fresh process."""
   d = f'{bucket}/c'
   states.run_worker('save', d, state, str(STATE_BYTES), 'streaming', str(512 * MiB))
+  _check_fresh_restore(d, state, budget, devices, 'ranged')
+
+
+def _check_fresh_restore(d, state, budget, devices, what):
+  """Restores checkpoint `d` of `state` in a fresh process at `budget`: all
+  of it, and no more than the budget beyond the restored arrays."""
   r = states.run_worker('restore', d, state, str(STATE_BYTES), str(budget),
                         env=states.COPYING_DEVICES if devices == 'copying' else None)
   beyond = r['peak_extra_bytes'] - r['restored_bytes']
-  print(f'gcs ranged restore {state} ({devices}) at {budget / MiB:.0f} MiB:'
+  print(f'gcs {what} restore {state} ({devices}) at {budget / MiB:.0f} MiB:'
         f' {beyond / MiB:.1f} MiB beyond {r["restored_bytes"] / MiB:.0f} MiB restored')
   assert r['restored_bytes'] >= STATE_BYTES * 0.9, r
   assert beyond <= budget + TOLERANCE, r
@@ -324,13 +330,7 @@ def test_stock_checkpoint_from_gcs_filled_in_place_holds_the_budget(server, buck
   lanes (each with decoders of its own) as fit."""
   d = f'{bucket}/stock'
   states.run_worker('stock', d, state, str(STATE_BYTES))
-  r = states.run_worker('restore', d, state, str(STATE_BYTES), str(budget),
-                        env=states.COPYING_DEVICES if devices == 'copying' else None)
-  beyond = r['peak_extra_bytes'] - r['restored_bytes']
-  print(f'gcs stock restore {state} ({devices}) at {budget / MiB:.0f} MiB:'
-        f' {beyond / MiB:.1f} MiB beyond {r["restored_bytes"] / MiB:.0f} MiB restored')
-  assert r['restored_bytes'] >= STATE_BYTES * 0.9, r
-  assert beyond <= budget + TOLERANCE, r
+  _check_fresh_restore(d, state, budget, devices, 'stock')
 
 
 @pytest.mark.slow
