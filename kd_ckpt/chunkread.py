@@ -99,6 +99,12 @@ def _zstd_window(limit: int) -> int:
   return min(max(limit // 4, _MIN_READ), _MAX_WINDOW)
 
 
+def _fresh(staleness_bound: float | None) -> dict[str, float]:
+  """`KvStore.read`'s keyword for reads that accept what was cached after
+  `staleness_bound` (`StoredArray.staleness_bound`); none for its default."""
+  return {} if staleness_bound is None else {'staleness_bound': staleness_bound}
+
+
 def _unsupported(name: str, what: str) -> NotImplementedError:
   return NotImplementedError(
       f'array {name!r}: {what} is not supported by kd_ckpt.chunkread; read '
@@ -246,9 +252,8 @@ class StoredArray:
     cached after this time (`StoredArray.staleness_bound`).
     """
     name = name.strip('/')
-    fresh = {} if staleness_bound is None else {'staleness_bound': staleness_bound}
     for key in (f'{name}/.zarray', f'{name}/zarr.json'):
-      r = kvstore.read(key, **fresh).result()
+      r = kvstore.read(key, **_fresh(staleness_bound)).result()
       if r.state == 'value':
         stored = cls(kvstore, name, json.loads(r.value))
         stored.staleness_bound = staleness_bound
@@ -333,7 +338,7 @@ class StoredArray:
     TensorStore read, 0.09-0.11 s in 4-8 ranges at once, peaking 24-27 MiB
     beyond nothing (the first read of a process 34-37 MiB), against 28 MiB
     (43 MiB) for TensorStore's read.  The call holds `out`, the reads in
-    flight and the one being landed (`ranged_charge`).
+    flight and the one being landed (`cost.ranged_read_charge`).
 
     Only boxes `can_read_into` accepts; others raise NotImplementedError
     before anything is read (read them with `read_pieces` or TensorStore).
@@ -488,7 +493,7 @@ class StoredArray:
     """Future of bytes [a, b) of `blob` (b=None: to its end)."""
     if b is None and blob.size is not None:
       b = blob.size
-    fresh = {} if self.staleness_bound is None else {'staleness_bound': self.staleness_bound}
+    fresh = _fresh(self.staleness_bound)
     if a == 0 and b is None and blob.offset == 0:
       return self._kv.read(blob.key, **fresh)
     stop = None if b is None else blob.offset + b
@@ -506,9 +511,8 @@ class StoredArray:
     if cached[0] != key:
       n = math.prod(per)
       size = 16 * n + 4 * crc
-      fresh = {} if self.staleness_bound is None else {'staleness_bound': self.staleness_bound}
       r = self._kv.read(key, byte_range=slice(-size, None) if end
-                        else slice(0, size), **fresh).result()
+                        else slice(0, size), **_fresh(self.staleness_bound)).result()
       index = None
       if r.state == 'value':
         raw = r.value
