@@ -2035,13 +2035,12 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
       # (`bench/gcs_requests.py`): 329 requests and 4.21 s, now 52 and 2.34 s
       # (Orbax's restore: 44-88 requests, 2.0-2.1 s).
       whole, whole_opened, small = {}, {}, {}
-      for i in range(len(infos)):
+      for i in range(0 if remote else len(infos)):  # from a bucket, none unopened
         shape, dtype, sharding = spec_of(i)
         if whole_ok(i, shape, sharding):
-          if not remote and (c := _whole_charge_bound(shape, dtype, sharding)) is not None \
-              and c <= ctx.piece_bytes:
+          if (c := _whole_charge_bound(shape, dtype, sharding)) is not None and c <= ctx.piece_bytes:
             whole[i] = c
-        elif stock_read is not None and not remote and (c := _stock_charge_bound(
+        elif stock_read is not None and (c := _stock_charge_bound(
             shape, dtype, sharding, getattr(args[i], 'strict', True))) is not None \
             and c <= ctx.piece_bytes:
           small[i] = c
