@@ -34,6 +34,22 @@ def meshes():
           jax.sharding.Mesh(devs.reshape(4, 2), ('a', 'b')))
 
 
+def small_leaves(rng, n: int) -> dict:
+  """`n` small f32 leaves on one device, and one each replicated, on a 2-D
+  mesh with prime extents, and to be cast (`cast`): what a restore reads
+  whole (`reading._read_whole`)."""
+  _, m2 = meshes()
+  tree = {f'v{i:03d}': jnp.asarray(rng.standard_normal((i % 7 + 1, 3)), jnp.float32)
+          for i in range(n)}
+  tree.update({
+      'rep': jax.device_put(rng.standard_normal((37, 11)).astype(np.float32), NS(m2, P())),
+      'mesh': jax.device_put(rng.standard_normal((4 * 13, 2 * 7)).astype(np.float32),
+                             NS(m2, P('a', 'b'))),
+      'cast': jnp.asarray(rng.standard_normal((29, 31)), jnp.float32),
+  })
+  return tree
+
+
 def filled(shape, sharding, dtype=jnp.float32, seed=0):
   """A deterministic array made on its devices (no host copy, no temporaries).
 

@@ -221,17 +221,12 @@ def test_small_leaves_are_read_whole_as_orbax_reads_them(tmp_path, monkeypatch, 
   numpy leaves too.  Leaves it may not read (strict=False) still go to
   Orbax's reader."""
   from kd_ckpt import reading  # pylint: disable=g-import-not-at-top
-  mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('a', 'b'))
+  _, mesh = states.meshes()
   rng = np.random.default_rng(23)
-  tree = {f'v{i:03d}': jnp.asarray(rng.standard_normal((i % 7 + 1, 3)), jnp.float32)
-          for i in range(300)}
+  tree = states.small_leaves(rng, 300)
   tree.update({
-      'rep': jax.device_put(rng.standard_normal((37, 11)).astype(np.float32), NamedSharding(mesh, P())),
-      'mesh': jax.device_put(rng.standard_normal((4 * 13, 2 * 7)).astype(np.float32),
-                             NamedSharding(mesh, P('a', 'b'))),
       'part': jax.device_put(rng.standard_normal((4 * 5, 3)).astype(np.float32),
                              NamedSharding(mesh, P('a'))),
-      'cast': jnp.asarray(rng.standard_normal((29, 31)), jnp.float32),
       'step': jnp.int32(12345),
       'host': rng.integers(-9, 9, (17, 5)),
       'host_cast': rng.standard_normal((3, 11)),

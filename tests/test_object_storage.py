@@ -786,16 +786,7 @@ def test_small_leaves_from_a_bucket_are_read_whole(server, bucket, monkeypatch):
   through a 20 ms link took 3.8-4.2 s against 4.5-4.8 s (Orbax's reader),
   400 leaves of 64 KiB 1.2-1.4 s against 2.2-2.4 s (bench/gcs_requests.py)."""
   from kd_ckpt import reading  # pylint: disable=g-import-not-at-top
-  m1, m2 = states.meshes()
-  rng = np.random.default_rng(5)
-  tree = {f'v{i:02d}': jnp.asarray(rng.standard_normal((i % 7 + 1, 3)), jnp.float32)
-          for i in range(30)}
-  tree.update({
-      'rep': jax.device_put(rng.standard_normal((37, 11)).astype(np.float32), NS(m1, P())),
-      'mesh': jax.device_put(rng.standard_normal((4 * 13, 2 * 7)).astype(np.float32),
-                             NS(m2, P('a', 'b'))),
-      'cast': jnp.asarray(rng.standard_normal((29, 31)), jnp.float32),
-  })
+  tree = states.small_leaves(np.random.default_rng(5), 30)
   path = f'{bucket}/whole'
   kd_ckpt.save(path, tree, strategy='streaming', host_ram_budget=256 * MiB)
   stock = ocp.type_handlers.ArrayHandler.deserialize
