@@ -120,6 +120,10 @@ def unseen(name: str, total_bytes: int):
   fsdp_dp:      one leaf sharded over 'b' and replicated over 'a' (FSDP x data
                 parallel): stock Orbax's replica-parallel save stores each
                 shard as 4 chunks of rows, one a replica
+  interleaved:  layers of a 4 KiB bias and a 0.94 MiB kernel on one device:
+                at small budgets the biases are read whole in one batch and
+                the kernels filled apart, so from a bucket the biases' reads
+                (coalesced when under 1 MB apart) may span the kernels
   """
   m1, m2 = meshes()
   if name == 'prime':
@@ -153,6 +157,13 @@ def unseen(name: str, total_bytes: int):
     cols = 2053  # prime
     rows = max(8, total_bytes // 4 // cols // 8 * 8)
     return {'w': filled((rows, cols), NS(m2, P('b')))}
+  if name == 'interleaved':
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    rows = 240  # a 0.94 MiB kernel: under Orbax's 1 MB coalescing gap
+    layers = max(8, total_bytes // (rows * 1024 * 4 + 4096))
+    return {f'l{i:03d}': {'a_bias': filled((1024,), one, seed=2 * i),
+                          'b_kernel': filled((rows, 1024), one, seed=2 * i + 1)}
+            for i in range(layers)}
   if name == 'many_medium':
     # Gemma-like: 64 leaves of 1-6 MiB (bf16 and f32), sharded, replicated
     # and on a 2-D mesh, restored one after another (issue 20's gb bench).
@@ -218,8 +229,9 @@ def _prime_below(n: int) -> int:
 
 UNSEEN = ('prime', 'prime_rep', 'mesh2d_prime', 'edge_chunks', 'many_small', 'mixed_dtypes')
 OTHER = ('wide_mesh2d', 'zeros')
-# Only the restore budget test's (a GCS run of it adds nothing new).
-RESTORE_ONLY = ('many_medium', 'fsdp_dp')
+# Only restore budget tests': `many_medium`, `fsdp_dp` the local one (a GCS run adds
+# nothing new), `interleaved` the GCS one (its coalesced reads are a bucket's).
+RESTORE_ONLY = ('many_medium', 'fsdp_dp', 'interleaved')
 # Only their own tests'.
 SAVE_ONLY = ('unit_dims',)
 

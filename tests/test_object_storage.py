@@ -821,6 +821,25 @@ def test_small_leaves_read_whole_from_gcs_hold_the_budget(server, bucket, device
   _check_fresh_restore(d, 'many_small', 96 * MiB, devices, 'whole')
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize('saver', ['streaming', 'stock'])
+def test_tiny_leaves_between_others_from_gcs_hold_the_budget(server, bucket, saver):
+  """`interleaved` (200 layers of a 4 KiB bias and a 0.94 MiB kernel) at 56
+  MiB: the biases go in one or two whole batches, the kernels are filled
+  apart.  Orbax's read spec merges reads of one file under 1 MB apart into
+  one request; no such request may carry the kernels between the biases
+  outside the limiter.  Measured in a /tmp script (a process that had
+  compiled a trivial program, saved by kd_ckpt): at 54-60 MiB the biases
+  went in batches of 181-200 and the 200 kernels were filled, 23.6-25.4
+  MiB beyond the arrays."""
+  d = f'{bucket}/c'
+  if saver == 'stock':
+    states.run_worker('stock', d, 'interleaved', str(STATE_BYTES))
+  else:
+    states.run_worker('save', d, 'interleaved', str(STATE_BYTES), 'streaming', str(256 * MiB))
+  _check_fresh_restore(d, 'interleaved', 56 * MiB, 'shared', saver)
+
+
 def test_a_restore_asks_once_whether_the_sharding_file_exists(server, bucket, monkeypatch):
   """Orbax's reader asks at every call, and a restore calls it once per batch
   of small leaves; from a bucket each ask is two requests (a round trip
