@@ -229,8 +229,8 @@ def _prime_below(n: int) -> int:
 
 UNSEEN = ('prime', 'prime_rep', 'mesh2d_prime', 'edge_chunks', 'many_small', 'mixed_dtypes')
 OTHER = ('wide_mesh2d', 'zeros')
-# Only restore budget tests': `many_medium`, `fsdp_dp` the local one (a GCS run adds
-# nothing new), `interleaved` the GCS one (its coalesced reads are a bucket's).
+# Only some restore budget tests' (`interleaved`: from a bucket, where reads
+# of one file coalesce).
 RESTORE_ONLY = ('many_medium', 'fsdp_dp', 'interleaved')
 # Only their own tests'.
 SAVE_ONLY = ('unit_dims',)
