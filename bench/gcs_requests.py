@@ -9,7 +9,9 @@ Orbax's shows where they go.
 States: `leaves` is `--leaves` f32 leaves of (64, 256) over 8 CPU devices
 (64 KiB each; small leaves that Orbax's reader reads), `gemma` the bench's
 Gemma-like state of `--state-bytes`, `big` one f32 leaf of `--state-bytes`
-over 8 devices; each saved once by kd_ckpt's streaming writer at 256 MiB,
+over 8 devices, `interleaved` layers of a 4 KiB bias and a 0.94 MiB kernel
+on one device (`--state-bytes` in all); each saved once by kd_ckpt's
+streaming writer at 256 MiB,
 or with `--saved-by orbax` by stock Orbax (`StandardCheckpointer`: zstd, one
 chunk a shard).  Restores: `kd` and `orbax` (`StandardCheckpointer`) without a
 target (the shardings come from `_sharding`), `kd_target` and
@@ -19,6 +21,8 @@ Example:
 
   python bench/gcs_requests.py --state leaves --leaves 400 --restores kd_target,orbax_target
   python bench/gcs_requests.py --state big --state-bytes 400000000 --saved-by orbax
+  python bench/gcs_requests.py --state interleaved --state-bytes 200000000 --budget 56MiB \\
+      --restores kd_target,orbax_target
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ sys.path.insert(0, os.path.join(REPO, 'bench'))
 WORKER = r'''
 import json, sys, time, warnings
 warnings.simplefilter('ignore')
-repo, state, op, path, leaves, state_bytes = sys.argv[1:7]
+repo, state, op, path, leaves, state_bytes, budget = sys.argv[1:8]
 sys.path.insert(0, repo + '/bench')
 import jax, jax.numpy as jnp, orbax.checkpoint as ocp, kd_ckpt
 import workloads
@@ -57,6 +61,17 @@ elif state == 'big':
   shape = (state_bytes // 4 // 1024 // 8 * 8, 1024)
   build = lambda: {'w': jax.device_put(jax.random.normal(jax.random.key(0), shape, jnp.float32), sharded)}
   abstract = lambda: {'w': jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sharded)}
+elif state == 'interleaved':
+  # Layers of a 4 KiB bias and a 0.94 MiB kernel on one device: a bounded
+  # restore reads the biases whole in batches and fills the kernels between
+  # them in the file apart.
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  layers = max(8, state_bytes // (240 * 1024 * 4 + 4096))
+  shapes = {f'l{i:03d}': {'a_bias': (1024,), 'b_kernel': (240, 1024)} for i in range(layers)}
+  build = lambda: jax.tree.map(lambda s: jax.device_put(jax.random.normal(
+      jax.random.key(s[0]), s, jnp.float32), one), shapes, is_leaf=lambda s: isinstance(s, tuple))
+  abstract = lambda: jax.tree.map(lambda s: jax.ShapeDtypeStruct(s, jnp.float32, sharding=one),
+                                  shapes, is_leaf=lambda s: isinstance(s, tuple))
 else:
   build = lambda: workloads.build_gemma_gb(jax, state_bytes)
   abstract = lambda: workloads.abstract_gemma_gb(jax, state_bytes)
@@ -72,7 +87,7 @@ if op == 'save_orbax':
 target = abstract() if op.endswith('_target') else None
 t = time.perf_counter()
 if op.startswith('kd'):
-  out = kd_ckpt.restore(path, target, host_ram_budget='256MiB')
+  out = kd_ckpt.restore(path, target, host_ram_budget=budget)
 else:
   out = ocp.StandardCheckpointer().restore(path, target)
 jax.block_until_ready(out)
@@ -95,7 +110,7 @@ def _kind(line: str) -> str:
 
 def main() -> int:
   ap = argparse.ArgumentParser(description=__doc__.split('\n', 1)[0])
-  ap.add_argument('--state', choices=('leaves', 'gemma', 'big'), default='leaves')
+  ap.add_argument('--state', choices=('leaves', 'gemma', 'big', 'interleaved'), default='leaves')
   ap.add_argument('--leaves', type=int, default=400)
   ap.add_argument('--state-bytes', type=int, default=1_150_000_000)
   ap.add_argument('--restores', default='kd,orbax,kd_target,orbax_target')
@@ -103,6 +118,7 @@ def main() -> int:
   ap.add_argument('--saved-by', choices=('streaming', 'orbax'), default='streaming')
   ap.add_argument('--link-latency-ms', type=float, default=20.0)
   ap.add_argument('--link-mbs', type=float, default=200.0)
+  ap.add_argument('--budget', default='256MiB', help="kd_ckpt's restore budget")
   args = ap.parse_args()
   from tests import gcs_server  # pylint: disable=g-import-not-at-top
   import slow_link  # pylint: disable=g-import-not-at-top
@@ -120,7 +136,7 @@ def main() -> int:
         link.reset_counts()
         proc = subprocess.run(
             [sys.executable, '-c', WORKER, REPO, args.state, op, path, str(args.leaves),
-             str(args.state_bytes)], env=env, capture_output=True, text=True, timeout=1800)
+             str(args.state_bytes), args.budget], env=env, capture_output=True, text=True, timeout=1800)
         if proc.returncode:
           raise RuntimeError(proc.stderr[-3000:])
         out = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -130,11 +146,13 @@ def main() -> int:
 
       run('save' if args.saved_by == 'streaming' else 'save_orbax')
       rows = [(op, run(op)) for _ in range(args.reps) for op in args.restores.split(',')]
-  state = (f'{args.leaves} f32 leaves of (64, 256) over 8 devices' if args.state == 'leaves'
-           else f'one f32 leaf of {args.state_bytes / 1e9:.2f} GB over 8 devices'
-           if args.state == 'big' else f'Gemma-like, {args.state_bytes / 1e9:.2f} GB over 8 devices')
+  state = {'leaves': f'{args.leaves} f32 leaves of (64, 256) over 8 devices',
+           'big': f'one f32 leaf of {args.state_bytes / 1e9:.2f} GB over 8 devices',
+           'interleaved': f'layers of a 4 KiB bias and a 0.94 MiB kernel, {args.state_bytes / 1e9:.2f}'
+                          ' GB on one device',
+           'gemma': f'Gemma-like, {args.state_bytes / 1e9:.2f} GB over 8 devices'}[args.state]
   saved_by = 'kd_ckpt streaming' if args.saved_by == 'streaming' else 'stock Orbax'
-  print(f'State: {state}, saved by {saved_by}; link: each request'
+  print(f'State: {state}, saved by {saved_by}; kd_ckpt restores at {args.budget}; link: each request'
         f' {args.link_latency_ms:g} ms later, each connection at most {args.link_mbs:g} MB/s.\n')
   print('| restore | seconds | requests | MB down | requests by object (most first) |')
   print('| --- | --- | --- | --- | --- |')

@@ -456,13 +456,14 @@ class Source:
 def open_stored(directory, name: str, ctx: 'ReadContext') -> Source:
   """A stored array of a checkpoint by name (zarr or zarr3), for bounded reads."""
   directory = epath.Path(directory)
-  kv = ts.KvStore.open(compat.orbax.build_kvstore_tspec(directory.as_posix(), use_ocdbt=True),
-                       context=ctx.ts_context).result()
+  kv = ts.KvStore.open(storage.without_read_gaps(compat.orbax.build_kvstore_tspec(
+      directory.as_posix(), use_ocdbt=True)), context=ctx.ts_context).result()
   last = None
   for driver in ('zarr', 'zarr3'):
     try:
-      t = ts.open({'driver': driver, 'kvstore': compat.orbax.build_kvstore_tspec(
-          directory.as_posix(), name=name, use_ocdbt=True)}, open=True, read=True,
+      t = ts.open({'driver': driver, 'kvstore': storage.without_read_gaps(
+          compat.orbax.build_kvstore_tspec(directory.as_posix(), name=name, use_ocdbt=True))},
+                  open=True, read=True,
                   context=ctx.ts_context).result()
       return Source(name, t, kv, ctx)
     except ValueError as e:  # Not this zarr version.
@@ -1618,16 +1619,16 @@ def _open_keyed(infos, ctx: ReadContext, metadata_key):
     if key in kept:
       pending.append(kept.pop(key))
       continue
-    spec = compat.orbax.build_array_read_spec(
+    spec = storage.without_read_gaps(compat.orbax.build_array_read_spec(
         info, use_ocdbt=info.is_ocdbt_checkpoint, metadata_key=metadata_key,
         raise_array_data_missing_error=info.raise_array_data_missing_error,
-        target_dtype=None).json
+        target_dtype=None).json)
     if where not in kvs:
       # Without OCDBT the folder itself is the kvstore: with its trailing
       # slash, or keys ("big/0.0") would be read beside it ("<dir>big/0.0").
-      kvs[where] = ts.KvStore.open(
+      kvs[where] = ts.KvStore.open(storage.without_read_gaps(
           compat.orbax.build_kvstore_tspec(where[0], use_ocdbt=True)
-          if where[1] else storage.kvstore_spec(info.parent_dir),
+          if where[1] else storage.kvstore_spec(info.parent_dir)),
           context=ctx.ts_context)
     pending.append((ts.open(spec, open=True, context=ctx.ts_context), where))
   opened = {where: f.result() for where, f in kvs.items()}

@@ -364,6 +364,35 @@ def kvstore_spec(directory) -> dict:
   return {'driver': 'file', 'path': d.rstrip('/') + '/'}
 
 
+GAP_KEY = 'experimental_read_coalescing_threshold_bytes'
+
+
+def without_read_gaps(spec: dict) -> dict:
+  """`spec` (a TensorStore spec's JSON) whose coalesced reads fetch no bytes between them.
+
+  Orbax's spec for a bucket merges reads of one file sent within 1 ms and
+  under 1 MB apart into one request, the bytes between them included.  A
+  bounded restore reads a file in parts at different times: whole small
+  leaves in one batch, the bigger leaves between them filled apart.  Each
+  merged request then downloaded the leaves between its reads too, bytes no
+  read asked for and no limiter charged: restoring 200 layers of a 4 KiB
+  bias and a 0.94 MiB kernel at 56 MiB took 349 MiB down for 191 MiB.  With
+  the gap at 0, reads of touching ranges still merge (TensorStore's
+  request count is kept), and a response carries only what was asked for.
+
+  Example:
+
+    ts.open(storage.without_read_gaps(spec), context=ctx)
+  """
+  def walk(node):
+    if isinstance(node, dict):
+      return {k: 0 if k == GAP_KEY else walk(v) for k, v in node.items()}
+    if isinstance(node, list):
+      return [walk(v) for v in node]
+    return node
+  return walk(spec)
+
+
 def forget_listings(path) -> None:
   """Drops gcsfs's cached listings under `path` (no-op locally).
 
