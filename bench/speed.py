@@ -2,7 +2,8 @@
 
 This machine's disk is noisy (dd of the same bytes took 1.2 s to 12 s in
 consecutive runs), so every figure that matters is a ratio against Orbax
-(and dd) measured in the same run.  Every row runs in a fresh process
+(and dd) measured in the same run.  Every row (in the leaves part, every
+leaf count, its variants' saves taking turns) runs in a fresh process
 (`--worker JSON`, 8 CPU devices via XLA_FLAGS) that starts XLA's compiler
 first (`kd_ckpt.startup.start_compiler()`), as a training process has.
 States are `workloads.gen_leaf`'s hashed floats: their bytes do not compress,
@@ -38,7 +39,8 @@ Three parts (`--part stall,scale,leaves`, default all):
   leaves  Per-leaf overhead: 10 .. 10,000 leaves of 4 KiB (`--leaf-counts`,
           `--leaf-bytes`) on one device, saved by kd_ckpt streaming, kd_ckpt
           auto (both at the budget) and Orbax default, each restored by its
-          own library.  ms/leaf is the time over the leaves, and over the
+          own library, the three in one process, their saves taking
+          turns.  ms/leaf is the time over the leaves, and over the
           leaves beyond the first count ((t - t_first) / (n - n_first)).
           kd_ckpt refuses a budget below 24 MiB + 24 KiB per leaf (and a
           little more for a streaming plan) before writing anything: 10,000
@@ -46,7 +48,8 @@ Three parts (`--part stall,scale,leaves`, default all):
           MiB `kd_ckpt.plan_save` accepts (found before the timed save), and
           says so.
 
-scale and leaves rows do a tiny warm-up save + restore first (one-time
+scale and leaves rows do a tiny warm-up save + restore first, of each
+variant in the process (one-time
 imports and thread pools); stall rows do not (a loop's first save pays them).
 Restores read files the save just wrote (page cache), for both libraries.
 
@@ -296,14 +299,20 @@ def _accepted_budget(kd_ckpt, tree, strategy: str, budget: str) -> str | None:
 
 
 def _save_restore_worker(spec: dict) -> dict:
-  """scale and leaves rows: save a generated state, restore it, check it bit-exact."""
+  """scale and leaves rows: save a generated state, restore it, check it bit-exact.
+
+  `spec['variants']` (leaves rows): every variant in this one process, their
+  saves alternating; returns {variant: row}.  Otherwise `spec['variant']`
+  alone, and its row.
+  """
   jax = _jax()
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   import kd_ckpt  # pylint: disable=g-import-not-at-top
   import workloads  # pylint: disable=g-import-not-at-top
 
-  who, budget, root = spec['variant'], spec['budget'], spec['dir']
+  variants = list(spec.get('variants') or [spec['variant']])
+  root = spec['dir']
   sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   if spec['part'] == 'scale':
     shapes = {'w': (spec['bytes'] // 4096, 1024)}
@@ -314,7 +323,7 @@ def _save_restore_worker(spec: dict) -> dict:
     return {k: workloads.gen_leaf(jax, s, jnp.float32, sharding, i)
             for i, (k, s) in enumerate(shapes.items())}
 
-  def save(path, tree, budget_now):
+  def save(who, path, tree, budget_now):
     if who == ORBAX:
       with ocp.StandardCheckpointer() as c:
         c.save(path, tree)
@@ -322,7 +331,7 @@ def _save_restore_worker(spec: dict) -> dict:
     else:
       kd_ckpt.save(path, tree, strategy=who.split()[1], host_ram_budget=budget_now)
 
-  def restore(path, target, budget_now):
+  def restore(who, path, target, budget_now):
     if who == ORBAX:
       with ocp.StandardCheckpointer() as c:
         return c.restore(path, target)
@@ -330,53 +339,74 @@ def _save_restore_worker(spec: dict) -> dict:
 
   # Warm-up: Orbax's and kd_ckpt's one-time imports, thread pools, programs.
   tiny = {'w': workloads.gen_leaf(jax, (1024,), jnp.float32, sharding, 0)}
-  save(os.path.join(root, 'warm'), tiny, budget)
-  jax.block_until_ready(restore(os.path.join(root, 'warm'), _abstract(jax, tiny), budget))
+  for i, who in enumerate(variants):
+    save(who, os.path.join(root, f'warm{i}'), tiny, spec['budget'])
+    jax.block_until_ready(restore(who, os.path.join(root, f'warm{i}'),
+                                  _abstract(jax, tiny), spec['budget']))
 
-  out: dict[str, Any] = {}
+  outs: dict[str, dict[str, Any]] = {who: {} for who in variants}
+  budgets = {who: spec['budget'] for who in variants}
   state = jax.block_until_ready(make())
   target = _abstract(jax, state)
-  path = os.path.join(root, 'ckpt')
-  if who != ORBAX:
-    raised = _accepted_budget(kd_ckpt, state, who.split()[1], budget)
-    if raised:
-      out['budget_used'] = raised
-      budget = raised
-  if spec['part'] == 'scale' and who != ORBAX:
-    out['dd_before_secs'] = _dd_secs(os.path.join(root, 'dd.bin'), spec['bytes'])
-  # Leaf rows save `leaf_saves` times (the median is reported): one save of
+  paths = {who: os.path.join(root, f'ckpt{i}') for i, who in enumerate(variants)}
+  for who in variants:
+    if who != ORBAX:
+      raised = _accepted_budget(kd_ckpt, state, who.split()[1], spec['budget'])
+      if raised:
+        outs[who]['budget_used'] = budgets[who] = raised
+  dd = spec['part'] == 'scale' and variants != [ORBAX]
+  if dd:
+    outs[variants[0]]['dd_before_secs'] = _dd_secs(os.path.join(root, 'dd.bin'), spec['bytes'])
+  # Each variant saves `saves` times (the median is reported): one save of
   # tiny leaves takes ~0.03-15 s, where a single sample varies by ~10%.
   # Quick rows save on until LEAF_SAVE_SECS have passed (at most
   # MAX_LEAF_SAVES): three saves of 0.04 s told 1.12x from 0.94x apart no
-  # better than a coin (2026-12-04).
-  each, saves = [], max(1, spec.get('saves', 1))
+  # better than a coin (2026-12-04).  Several variants take turns, each
+  # round in a rotated order, so the disk's and the machine's drift land on
+  # all of them alike: at 10 leaves a process a variant gave kd_ckpt
+  # 1.08-1.17x Orbax's time, turns in one process 0.85-0.89x
+  # (bench/results/ab_save_leaves.md).
+  each = {who: [] for who in variants}
+  saves = max(1, spec.get('saves', 1))
+  cap = {'leaves': MAX_LEAF_SAVES, 'scale': MAX_SCALE_SAVES}.get(spec['part'], 1)
+  rounds = 0
   while True:
-    dest = f'{path}.{len(each)}'
-    start = time.perf_counter()
-    save(dest, state, budget)
-    each.append(time.perf_counter() - start)
-    cap = {'leaves': MAX_LEAF_SAVES, 'scale': MAX_SCALE_SAVES}.get(spec['part'], 1)
-    more = len(each) < saves or (sum(each) < LEAF_SAVE_SECS and len(each) < cap)
+    k = rounds % len(variants)
+    for who in variants[k:] + variants[:k]:
+      dest = f'{paths[who]}.{len(each[who])}'
+      start = time.perf_counter()
+      save(who, dest, state, budgets[who])
+      each[who].append(time.perf_counter() - start)
+    rounds += 1
+    more = rounds < saves or (max(map(sum, each.values())) < LEAF_SAVE_SECS and rounds < cap)
+    for who in variants:
+      dest = f'{paths[who]}.{rounds - 1}'
+      if more:
+        shutil.rmtree(dest)
+      else:
+        os.rename(dest, paths[who])
     if not more:
-      os.rename(dest, path)
       break
-    shutil.rmtree(dest)
-  out['save_secs'] = sorted(each)[len(each) // 2]
-  if len(each) > 1:
-    out['save_secs_each'] = each
-  if spec['part'] == 'scale' and who != ORBAX:
-    out['dd_after_secs'] = _dd_secs(os.path.join(root, 'dd.bin'), spec['bytes'])
+  for who in variants:
+    outs[who]['save_secs'] = sorted(each[who])[len(each[who]) // 2]
+    if len(each[who]) > 1:
+      outs[who]['save_secs_each'] = each[who]
+  if dd:
+    outs[variants[0]]['dd_after_secs'] = _dd_secs(os.path.join(root, 'dd.bin'), spec['bytes'])
   _delete(jax, state)
   del state
-  workloads.warm_page_cache(path)  # kd_ckpt's save dropped its pages, Orbax's kept them
-  start = time.perf_counter()
-  back = jax.block_until_ready(restore(path, target, budget))
-  out['restore_secs'] = time.perf_counter() - start
   want = make()
-  out['restored_ok'] = all(bool(jnp.array_equal(back[k], want[k])) for k in shapes)
-  if not out['restored_ok']:
-    out['error'] = 'restored values differ from the saved ones'
-  return out
+  for who in variants:
+    out = outs[who]
+    workloads.warm_page_cache(paths[who])  # kd_ckpt's save dropped its pages, Orbax's kept them
+    start = time.perf_counter()
+    back = jax.block_until_ready(restore(who, paths[who], target, budgets[who]))
+    out['restore_secs'] = time.perf_counter() - start
+    out['restored_ok'] = all(bool(jnp.array_equal(back[k], want[k])) for k in shapes)
+    if not out['restored_ok']:
+      out['error'] = 'restored values differ from the saved ones'
+    del back
+  return outs if spec.get('variants') else outs[variants[0]]
 
 
 def _worker(spec: dict) -> dict:
@@ -538,9 +568,14 @@ def _leaves_part(args, root: str) -> tuple[list[str], list[dict]]:
   counts = [int(c) for c in args.leaf_counts.split(',')]
   table: dict[tuple[int, str], dict] = {}
   for n in counts:
+    # The variants of a count share one process, their saves alternating
+    # (`_save_restore_worker`).
+    got = _run(dict(part='leaves', leaves=n, leaf_bytes=leaf_bytes, budget=budget,
+                    variant='all', variants=list(LEAF_VARIANTS), saves=args.leaf_saves), root)
     for variant in LEAF_VARIANTS:
-      r = _run(dict(part='leaves', leaves=n, leaf_bytes=leaf_bytes, budget=budget,
-                    variant=variant, saves=args.leaf_saves), root)
+      r = got.get(variant, got)  # the worker's failure, for each of them
+      if r is not got and ('error' in r or r.get('restored_ok') is False):
+        _FAILED.append(f'leaves {n} {variant}: {r.get("error", "restore differs")}')
       table[n, variant] = r
       print(f'leaves {n} {variant}: {json.dumps(r)}', flush=True)
 
@@ -577,8 +612,10 @@ def _leaves_part(args, root: str) -> tuple[list[str], list[dict]]:
       '',
       f'kd_ckpt `save(strategy=...)` and `restore` at {budget}; Orbax:'
       ' `ocp.StandardCheckpointer()` save + `wait_until_finished`, then its restore.'
-      f' save s: the median of at least {args.leaf_saves} saves in the row\'s process,'
-      f' more until they took {LEAF_SAVE_SECS:g} s (at most {MAX_LEAF_SAVES};'
+      ' The three variants of a leaf count run in one fresh process, their saves taking'
+      ' turns (each round in a rotated order).'
+      f' save s: the median of at least {args.leaf_saves} saves,'
+      f' more until one variant\'s took {LEAF_SAVE_SECS:g} s (at most {MAX_LEAF_SAVES};'
       ' the notes give each, or their count and range); restore: one, of the last save.'
       ' ms/leaf: t / n; "over first": (t - t at'
       f' {counts[0]:,} leaves) / (n - {counts[0]:,}), the marginal cost of a leaf.', '',
@@ -646,7 +683,8 @@ def main(argv=None) -> int:
             f'{" " + " ".join(argv if argv is not None else sys.argv[1:])}`)\n\n'
             f'kd_ckpt {_git_commit()}, {os.cpu_count()} cores; wall {wall:.0f} s; load average'
             f' {load_start[0]:.2f} at start, {load_end[0]:.2f} at end.  Every row ran in its'
-            f' own process; ratios compare rows of this run only; {thp}.')
+            f' own process (the leaves part: every leaf count, its variants taking turns);'
+            f' ratios compare rows of this run only; {thp}.')
   text = '\n\n'.join([header, *sections]) + '\n'
   if args.out:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
