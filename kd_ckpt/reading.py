@@ -1269,6 +1269,21 @@ def _disjoint_chunks(src: Source, keys, shape, n: int, limit: int = 4096) -> boo
   return True
 
 
+def _read_into(view: ts.TensorStore, out: np.ndarray, batch: ts.Batch | None = None):
+  """Starts TensorStore's read of `view` straight into `out` (a numpy array
+  or view of `view`'s shape and dtype); returns its future.
+
+  A plain read returns a buffer of TensorStore's own (not aligned for the
+  CPU devices to keep), which was then copied into the host piece: two
+  fresh buffers and a copy per byte.  Read into the piece, it is one.
+  384 MiB of raw 3 MiB chunks from the page cache, 12 MiB reads (a /tmp
+  script, 3 alternating reps after a warm-up): 0.11-0.13 s and 0.13-0.18 s
+  of system time, against 0.23-0.27 s and 0.30-0.35 s read and copied.
+  """
+  return ts.array(out, copy=False, write=True).write(
+      view.translate_to[(0,) * out.ndim] if out.ndim else view, batch=batch)
+
+
 def _read_host(src: Source, glob: slicing.Box, inside: slicing.Box | None, dtype,
                reserve, *, shared: bool = False) -> np.ndarray:
   """The stored values of `glob` in `dtype`, zeros beyond the saved array.
@@ -1291,6 +1306,17 @@ def _read_host(src: Source, glob: slicing.Box, inside: slicing.Box | None, dtype
     grid = slicing.chunk_shape(extent, itemsize, src.ctx.piece_bytes)
     boxes = [slicing.offset(inside, box, src.shape)
              for box in slicing.boxes(extent, grid, itemsize, src.ctx.piece_bytes)]
+  if src.stored is None and src.dtype == dtype:
+    # TensorStore reads each box straight into the host piece (`_read_into`),
+    # one box after another as before: the read's charge is unchanged.
+    out = (hostmem.empty_aligned(shape, dtype) if inside == glob
+           else hostmem.zeros_aligned(shape, dtype))
+    with (reserve(slicing.nbytes(inside, src.dtype.itemsize)) if reserve
+          else contextlib.nullcontext()):
+      for box in boxes:
+        _read_into(src.t[box], out[tuple(slice(a.start - b.start, a.stop - b.start)
+                                         for a, b in zip(box, glob))]).result()
+    return out
   if src.stored is not None and src.dtype == dtype and (
       shared or not (inside == glob and src.one_piece(inside))):
     # chunkread decodes into the host piece (where whole rows of the chunk
@@ -1414,6 +1440,14 @@ def _start_host(src: Source, glob: slicing.Box, inside: slicing.Box | None, dtyp
       land()
       return out
     return finish_ranged
+  if inside == glob and np.dtype(dtype) == src.dtype:
+    out = hostmem.empty_aligned(shape, dtype)
+    written = _read_into(src.t[inside], out, batch)
+
+    def finish_into() -> np.ndarray:
+      written.result()
+      return out
+    return finish_into
   future = src.t[inside].read(batch=batch)
 
   def finish() -> np.ndarray:
@@ -1808,10 +1842,20 @@ def _read_whole(leaves) -> list[jax.Array]:
   """
   for name, t, shape, _, _ in leaves:
     check_shape(name, shape, t.shape, True)
-  reads = [t.read() for _, t, *_ in leaves]
   shardings = [_split_format(sharding)[0] for *_, sharding in leaves]
-  hosts = [_placeable(done.result(), leaf[3], sharding)
-           for done, leaf, sharding in zip(reads, leaves, shardings)]
+  reads = []
+  for (_, t, _, dtype, _), sharding in zip(leaves, shardings):
+    if (np.dtype(t.dtype.numpy_dtype) == np.dtype(dtype) and sharding.is_fully_replicated
+        and _shares_host_buffers(sharding.addressable_devices, dtype)):
+      # The buffer every device keeps, read into (`_read_into`), not copied.
+      out = hostmem.empty_aligned(tuple(t.shape), dtype)
+      reads.append((out, _read_into(t, out)))
+    else:
+      reads.append((None, t.read()))
+  hosts = []
+  for (out, done), leaf, sharding in zip(reads, leaves, shardings):
+    got = done.result()
+    hosts.append(_placeable(got if out is None else out, leaf[3], sharding))
   del reads
   placed = jax.device_put(hosts, shardings)
   return jax.block_until_ready(placed)

@@ -803,3 +803,46 @@ def test_slices_of_mixed_sizes_never_free_a_pooled_buffer_for_another(tmp_path, 
   got = kd_ckpt.restore(tmp_path / 'c')
   for k in tree:
     assert np.array_equal(np.asarray(got[k]), np.asarray(tree[k])), k
+
+
+def test_tensorstore_reads_land_in_their_host_buffers(tmp_path, monkeypatch):
+  """On devices that keep their host shards (the CPU default), a chunk
+  TensorStore decodes is read straight into the aligned host buffer that
+  becomes the array (`reading._read_into`): never into a buffer of
+  TensorStore's own, copied after (`reading._aligned` copies nothing).
+  Sharded (whole shards and, at a small budget, boxes of a shard),
+  replicated, and on a 2-D mesh with prime extents; kd_ckpt's raw chunks and
+  stock Orbax's zstd ones."""
+  from kd_ckpt import reading  # pylint: disable=g-import-not-at-top
+  m1, m2 = states.meshes()
+  tree = {'sharded': states.filled((4096, 1024), states.NS(m1, states.P('x')), seed=1),
+          'replicated': states.filled((1031, 1031), states.NS(m1, states.P()), seed=2),
+          'mesh2d': states.filled((4 * 1021, 2 * 509), states.NS(m2, states.P('a', 'b')), seed=3)}
+  copies, into = [], []
+  aligned, read_into = reading._aligned, reading._read_into
+
+  def counted_aligned(host, dtype):
+    out = aligned(host, dtype)
+    if out is not host:
+      copies.append(host.shape)
+    return out
+
+  monkeypatch.setattr(reading, '_aligned', counted_aligned)
+  monkeypatch.setattr(reading, '_read_into',
+                      lambda view, out, batch=None: into.append(out.shape) or read_into(view, out, batch))
+  for saver in ('streaming', 'stock'):
+    d = tmp_path / saver
+    if saver == 'stock':
+      with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(d, tree)
+    else:
+      kd_ckpt.save(d, tree, strategy='streaming', host_ram_budget=256 * MiB)
+    for budget in (48 * MiB, 256 * MiB):
+      copies.clear(), into.clear()
+      back = kd_ckpt.restore(d, _abstract(tree), host_ram_budget=budget)
+      _assert_equal(tree, back)
+      assert into, (saver, budget)
+      assert not copies, (saver, budget, copies)
+      for x in back.values():
+        for shard in x.addressable_shards:
+          assert shard.data.unsafe_buffer_pointer() % 64 == 0
