@@ -376,9 +376,10 @@ def without_read_gaps(spec: dict) -> dict:
   leaves in one batch, the bigger leaves between them filled apart.  Each
   merged request then downloaded the leaves between its reads too, bytes no
   read asked for and no limiter charged: restoring 200 layers of a 4 KiB
-  bias and a 0.94 MiB kernel at 56 MiB took 349 MiB down for 191 MiB.  With
-  the gap at 0, reads of touching ranges still merge (TensorStore's
-  request count is kept), and a response carries only what was asked for.
+  bias and a 0.94 MiB kernel at 56 MiB took 322-349 MiB down for 191 MiB.
+  With the gap at 0, reads of touching ranges still merge, and a response
+  carries only what was asked for (more requests: 393-406 against 235-263
+  for that state through `bench/gcs_requests.py`).
 
   Example:
 
