@@ -15,8 +15,9 @@ Each strategy is a small object with its own `predict` (the numbers come from
 
 A save that blocks until durable anyway (`kd_ckpt.save`) gains nothing from
 Orbax's async commit: there `auto` streams a tree of small leaves (at most
-`STREAM_LEAVES_UP_TO_BYTES` on average), which kd_ckpt's writer saves
-faster than Orbax's, even where Orbax's worst case fits.
+`STREAM_LEAVES_UP_TO_BYTES` on average) or a large one (at least
+`STREAM_FROM_BYTES`), which kd_ckpt's writer saves faster than Orbax's, even
+where Orbax's worst case fits.
 
 zstd is not among the choices: TensorStore's zstd encoder fragments glibc's
 thread arenas (over saves 5-50 of 512 MiB, Orbax default's RSS drifted
@@ -51,14 +52,25 @@ STRATEGIES = ('auto', 'orbax', 'streaming')
 
 # Up to this mean leaf size a blocking save streams under `auto`: per leaf,
 # kd_ckpt's writer costs less than Orbax's (auto's Orbax path adds kd_ckpt's
-# bookkeeping to Orbax's own), and above it Orbax's writes bytes faster.
-# Streaming's time over the Orbax path's on this 2-core machine, hashed f32
-# leaves on one device, median of 5 saves alternating in one process
-# (`bench/ab_save.py --state leaves --leaves N --leaf-bytes B --reps 5
-# --variants now,kd-orbax,orbax`): 1,000 x 4 KiB 0.91, 1,000 x 16 KiB 0.99,
-# 500 x 64 KiB 0.86; 300 x 128 KiB 1.05, 300 x 256 KiB 1.24, 100 x 1 MiB
-# 1.10, 40 x 4 MiB 1.39.
+# bookkeeping to Orbax's own).  Streaming's time over the Orbax path's on this
+# 2-core machine, hashed f32 leaves on one device, median of 5 saves
+# alternating in one process (`bench/ab_save.py --state leaves --leaves N
+# --leaf-bytes B --reps 5 --variants now,kd-orbax,orbax`): 1,000 x 4 KiB
+# 0.91, 1,000 x 16 KiB 0.99, 500 x 64 KiB 0.86.
 STREAM_LEAVES_UP_TO_BYTES = 64 * 1024
+
+# From this many bytes (the whole tree's, so that every process of a job
+# decides alike) a blocking save streams under `auto` whatever its leaves:
+# the streaming writer writes a large state faster than Orbax's (its writes
+# overlap their flushes, `kd_ckpt.writeback`), though on the CPU backend it
+# alone pays the host copy a GPU host pays both ways (`streaming.to_host`).
+# Below it that copy and its page faults cost more than the overlap gains.
+# Streaming's time over the Orbax path's, as above at 256 MiB, session 25
+# (2026-12-05): 100 x 1 MiB 1.52, 300 x 256 KiB 1.17, 40 x 4 MiB (168 MB)
+# 1.11; 40 x 8 MiB (336 MB) 0.96, one 512 MiB leaf 0.88, 40 x 16 MiB 0.75,
+# 40 x 32 MiB 0.83; the Gemma-like state (`--state gemma_gb`) at 0.5 GB
+# 0.78 and at 2.2 GB 0.85-0.88.
+STREAM_FROM_BYTES = 256 * 1024 * 1024
 
 
 class BudgetTooSmallError(ValueError):
@@ -341,6 +353,24 @@ def check_strategy(strategy: str) -> str:
   return strategy
 
 
+def _streams_faster(est: estimate_lib.TreeEstimate) -> str:
+  """Why a blocking save of this tree streams faster than Orbax's writer ('' if not).
+
+  Global bytes and leaf count are the same on every process, so every
+  process of a job decides alike.
+  """
+  if _small_leaves(est):
+    mean = text.format_bytes(est.global_bytes // est.num_leaves)
+    return (f'a blocking save of {est.num_leaves} leaves of {mean} on average'
+            f' (at most {text.format_bytes(STREAM_LEAVES_UP_TO_BYTES)}):'
+            " kd_ckpt's writer saves small leaves faster than Orbax's")
+  if est.global_bytes >= STREAM_FROM_BYTES:
+    return (f'a blocking save of {text.format_bytes(est.global_bytes)} (at least'
+            f' {text.format_bytes(STREAM_FROM_BYTES)}): kd_ckpt\'s writer overlaps its'
+            " writes with their flushes and saves a large state faster than Orbax's")
+  return ''
+
+
 def _small_leaves(est: estimate_lib.TreeEstimate) -> bool:
   """Whether the tree's leaves average at most STREAM_LEAVES_UP_TO_BYTES.
 
@@ -396,7 +426,7 @@ def plan_from_estimate(
           f' or more.{startup_note}')
     why = "strategy='orbax' asked for, and its worst case fits"
   elif strategy == 'auto' and best_orbax is not None and best_orbax.fits and not (
-      blocking and _small_leaves(est) and stream.fits):
+      blocking and stream.fits and _streams_faster(est)):
     choice = best_orbax
     why = ("Orbax's async save fits the budget in its worst case"
            + ('' if blocking else ', and training goes on while it commits'))
@@ -405,10 +435,7 @@ def plan_from_estimate(
     if strategy == 'streaming':
       why = "strategy='streaming' asked for"
     elif best_orbax is not None and best_orbax.fits:
-      mean = text.format_bytes(est.global_bytes // est.num_leaves)
-      why = (f'a blocking save of {est.num_leaves} leaves of {mean} on average'
-             f' (at most {text.format_bytes(STREAM_LEAVES_UP_TO_BYTES)}):'
-             " kd_ckpt's writer saves small leaves faster than Orbax's")
+      why = _streams_faster(est)
     else:
       why = 'no Orbax variant fits the budget in its worst case'
   else:
@@ -484,8 +511,8 @@ def plan_save(
     save_id: the destination of the save this plans (saves pass it), which
       names its exchanges in a multi-process job.  None: a preflight.
     blocking: the save returns only once durable, as `kd_ckpt.save` does;
-      then 'auto' streams trees of small leaves, which kd_ckpt's writer saves
-      faster than Orbax's.  False (Kauldron's `SafeCheckpointer`, whose
+      then 'auto' streams trees of small leaves or of at least 256 MiB,
+      which kd_ckpt's writer saves faster than Orbax's.  False (Kauldron's `SafeCheckpointer`, whose
       saves commit in the background): 'auto' prefers Orbax's async save
       wherever its worst case fits.
 

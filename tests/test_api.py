@@ -143,7 +143,7 @@ def _est(platform, total_mib=1024, layout='sharded'):
 
 
 def test_policy_prefers_async_orbax_when_its_worst_case_fits():
-  plan = plan_lib.plan_from_estimate(_est('gpu'), budget_bytes=8 << 30)
+  plan = plan_lib.plan_from_estimate(_est('gpu'), budget_bytes=8 << 30, blocking=False)
   assert plan.strategy == 'orbax' and plan.orbax.use_async
   assert not plan.orbax.use_compression  # zstd ratchets RSS: never chosen
   assert plan.orbax.enable_pinned_host_transfer  # fits, so take the faster path
@@ -157,17 +157,17 @@ def test_policy_drops_pinned_then_streams():
   # be wrong is why it was chosen: each preferred candidate it passed over
   # must predict more than the budget.)
   budget = int(1.5 * 1024 * MiB)
-  no_pin = plan_lib.plan_from_estimate(est, budget_bytes=budget)
+  no_pin = plan_lib.plan_from_estimate(est, budget_bytes=budget, blocking=False)
   assert no_pin.strategy == 'orbax' and not no_pin.orbax.enable_pinned_host_transfer
   pinned = [c for c in no_pin.candidates if c.orbax and c.orbax.enable_pinned_host_transfer]
   assert pinned and all(c.predicted_peak_bytes > budget and not c.fits for c in pinned)
   # Pinned staging is a second host copy of what Orbax holds: 2x the state.
   assert min(c.predicted_peak_bytes for c in pinned) >= 2 * est.global_bytes
-  small = plan_lib.plan_from_estimate(est, budget_bytes=256 * MiB)
+  small = plan_lib.plan_from_estimate(est, budget_bytes=256 * MiB, blocking=False)
   assert small.strategy == 'streaming' and small.enforced
   assert all(c.predicted_peak_bytes > 256 * MiB for c in small.candidates
              if c.strategy == 'orbax')
-  tiny = plan_lib.plan_from_estimate(est, budget_bytes=64 * MiB)
+  tiny = plan_lib.plan_from_estimate(est, budget_bytes=64 * MiB, blocking=False)
   assert tiny.strategy == 'streaming'
   # A smaller budget streams in smaller slices.
   assert tiny.slice_bytes < small.slice_bytes
@@ -206,6 +206,44 @@ def test_policy_streams_a_blocking_save_of_small_leaves():
   assert forced.strategy == 'orbax' and 'asked for' in forced.why
   assert plan_lib.plan_from_estimate(
       small, budget_bytes=64 * MiB).why == 'no Orbax variant fits the budget in its worst case'
+
+
+@pytest.mark.parametrize('platform', ['cpu', 'gpu'])
+def test_policy_streams_a_blocking_save_of_a_large_state(platform):
+  """Where Orbax's worst case fits, a blocking save of at least
+  STREAM_FROM_BYTES streams (kd_ckpt's writer saves it faster), whatever its
+  leaves; an async one keeps Orbax's save, and so does a smaller tree of
+  large leaves."""
+  big = _est(platform, total_mib=plan_lib.STREAM_FROM_BYTES // MiB)
+  assert big.global_bytes == plan_lib.STREAM_FROM_BYTES and big.num_leaves == 16
+  blocking = plan_lib.plan_from_estimate(big, budget_bytes=8 << 30)
+  assert any(c.fits for c in blocking.candidates if c.strategy == 'orbax')
+  assert blocking.strategy == 'streaming' and blocking.enforced
+  assert 'blocking save of 256.00 MiB' in blocking.why, blocking.why
+  assert blocking.why in str(blocking)
+  background = plan_lib.plan_from_estimate(big, budget_bytes=8 << 30, blocking=False)
+  assert background.strategy == 'orbax' and 'training goes on' in background.why
+  below = plan_lib.plan_from_estimate(_est(platform, total_mib=plan_lib.STREAM_FROM_BYTES
+                                           // MiB - 16), budget_bytes=8 << 30)
+  assert below.strategy == 'orbax', below.why
+  forced = plan_lib.plan_from_estimate(big, budget_bytes=8 << 30, strategy='orbax')
+  assert forced.strategy == 'orbax'
+
+
+def test_save_and_its_preflight_agree_on_a_large_state(tmp_path):
+  """kd_ckpt.save streams a 256 MiB state under auto where Orbax's worst case
+  fits (on CPU its device-to-host copy is free), as plan_save said; stock
+  Orbax restores it."""
+  shape = (plan_lib.STREAM_FROM_BYTES // 4 // 4 // 1024, 1024)
+  tree = {f'w{i}': jnp.full(shape, i, jnp.float32) for i in range(4)}
+  plan = kd_ckpt.plan_save(tree, host_ram_budget='4GiB')
+  assert plan.strategy == 'streaming' and 'at least 256.00 MiB' in plan.why, plan.why
+  assert any(c.fits for c in plan.candidates if c.strategy == 'orbax')
+  report = kd_ckpt.save(tmp_path / 'c', tree, host_ram_budget='4GiB')
+  assert report.strategy == 'streaming'
+  back = ocp.StandardCheckpointer().restore(tmp_path / 'c', jax.eval_shape(lambda: tree))
+  for k, v in tree.items():
+    np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(v))
 
 
 def test_save_and_its_preflight_agree_on_small_leaves(tmp_path):
