@@ -247,7 +247,8 @@ def test_processes_agree_to_stream_small_leaves(monkeypatch):
   both processes decide alike, from the tree's global size and leaf count
   (process 1's own share, nothing, would make it stream alone).  Leaves of
   16 KiB stream in a blocking save and keep Orbax's async save otherwise;
-  leaves of 96 KiB keep Orbax's either way."""
+  leaves of 96 KiB keep Orbax's either way; 300 MiB of 3 MiB leaves stream
+  in a blocking save (a large tree) on both processes."""
 
   def est(process_index, leaf):
     return estimate_lib.TreeEstimate(
@@ -259,7 +260,10 @@ def test_processes_agree_to_stream_small_leaves(monkeypatch):
         platform='cpu', process_index=process_index, process_count=2)
 
   for leaf, blocking, want in ((16 << 10, True, 'streaming'), (16 << 10, False, 'orbax'),
-                               (96 << 10, True, 'orbax')):
+                               (96 << 10, True, 'orbax'),
+                               # 100 x 3 MiB: 300 MiB in all, though process 1 writes none
+                               # of it (plan.STREAM_FROM_BYTES).
+                               (3 << 20, True, 'streaming'), (3 << 20, False, 'orbax')):
     exchange = _two_process_exchange()
     plans = {}
     for me in (1, 0, 1):
