@@ -85,13 +85,16 @@ if op == 'save_orbax':
   print(json.dumps({}))
   sys.exit()
 target = abstract() if op.endswith('_target') else None
-t = time.perf_counter()
+import resource
+r0, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
 if op.startswith('kd'):
   out = kd_ckpt.restore(path, target, host_ram_budget=budget)
 else:
   out = ocp.StandardCheckpointer().restore(path, target)
 jax.block_until_ready(out)
-print(json.dumps({'secs': time.perf_counter() - t, 'leaves': len(jax.tree.leaves(out))}))
+secs, r1 = time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF)
+print(json.dumps({'secs': secs, 'leaves': len(jax.tree.leaves(out)),
+                  'cpu_secs': r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime}))
 '''
 
 
@@ -132,14 +135,26 @@ def main() -> int:
       env = {k: v.replace(f':{srv.port}', f':{link.port}') for k, v in env.items()}
       path = 'gs://bench/ckpt'
 
+      def server_cpu_secs():  # fake-gcs-server's user + system seconds so far
+        with open(f'/proc/{srv.proc.pid}/stat') as f:
+          fields = f.read().rsplit(')', 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
+
       def run(op):
         link.reset_counts()
+        server0, link0 = server_cpu_secs(), os.times()
         proc = subprocess.run(
             [sys.executable, '-c', WORKER, REPO, args.state, op, path, str(args.leaves),
              str(args.state_bytes), args.budget], env=env, capture_output=True, text=True, timeout=1800)
         if proc.returncode:
           raise RuntimeError(proc.stderr[-3000:])
         out = json.loads(proc.stdout.strip().splitlines()[-1])
+        link1 = os.times()  # the link proxy runs in this process's threads
+        busy = link.busy  # samples while bytes flowed: connections carrying them
+        out.update(busy_mean=sum(k * n for k, n in busy.items()) / max(1, sum(busy.values())),
+                   busy_samples=sum(busy.values()))
+        out.update(server_cpu=server_cpu_secs() - server0,
+                   link_cpu=link1.user - link0.user + link1.system - link0.system)
         out.update(requests=link.requests, down_mb=link.down_bytes / 1e6,
                    kinds=collections.Counter(_kind(l) for l in link.request_lines))
         return out
@@ -154,11 +169,18 @@ def main() -> int:
   saved_by = 'kd_ckpt streaming' if args.saved_by == 'streaming' else 'stock Orbax'
   print(f'State: {state}, saved by {saved_by}; kd_ckpt restores at {args.budget}; link: each request'
         f' {args.link_latency_ms:g} ms later, each connection at most {args.link_mbs:g} MB/s.\n')
-  print('| restore | seconds | requests | MB down | requests by object (most first) |')
-  print('| --- | --- | --- | --- | --- |')
+  print('CPU s: the restoring process\'s user + system seconds during the restore;'
+        ' server: fake-gcs-server\'s over the whole run of that process; link: the link'
+        ' proxy\'s (this process) over the same. Busy: connections carrying response bytes,'
+        f' the mean over {slow_link.SAMPLE_SECS:g} s samples while bytes flowed (the samples).\n')
+  print('| restore | seconds | CPU s | server CPU s | link CPU s | busy (samples) | requests |'
+        ' MB down | requests by object (most first) |')
+  print('| --- | --- | --- | --- | --- | --- | --- | --- | --- |')
   for op, r in rows:
     kinds = ', '.join(f'{n} {k}' for k, n in r['kinds'].most_common(4))
-    print(f'| {op} | {r["secs"]:.2f} | {r["requests"]} | {r["down_mb"]:.1f} | {kinds} |')
+    print(f'| {op} | {r["secs"]:.2f} | {r["cpu_secs"]:.2f} | {r["server_cpu"]:.2f} |'
+          f' {r["link_cpu"]:.2f} | {r["busy_mean"]:.1f} ({r["busy_samples"]}) | {r["requests"]} |'
+          f' {r["down_mb"]:.1f} | {kinds} |')
   return 0
 
 

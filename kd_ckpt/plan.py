@@ -15,9 +15,9 @@ Each strategy is a small object with its own `predict` (the numbers come from
 
 A save that blocks until durable anyway (`kd_ckpt.save`) gains nothing from
 Orbax's async commit: there `auto` streams a tree of small leaves (at most
-`STREAM_LEAVES_UP_TO_BYTES` on average) or a large one (at least
-`STREAM_FROM_BYTES`), which kd_ckpt's writer saves faster than Orbax's, even
-where Orbax's worst case fits.
+`STREAM_LEAVES_UP_TO_BYTES` on average) or, on the CPU backend, a large one
+(at least `STREAM_FROM_BYTES`), which kd_ckpt's writer saves faster than
+Orbax's, even where Orbax's worst case fits.
 
 zstd is not among the choices: TensorStore's zstd encoder fragments glibc's
 thread arenas (over saves 5-50 of 512 MiB, Orbax default's RSS drifted
@@ -69,7 +69,10 @@ STREAM_LEAVES_UP_TO_BYTES = 64 * 1024
 # (2026-12-05): 100 x 1 MiB 1.52, 300 x 256 KiB 1.17, 40 x 4 MiB (168 MB)
 # 1.11; 40 x 8 MiB (336 MB) 0.96, one 512 MiB leaf 0.88, 40 x 16 MiB 0.75,
 # 40 x 32 MiB 0.83; the Gemma-like state (`--state gemma_gb`) at 0.5 GB
-# 0.78 and at 2.2 GB 0.88 (1.82 s against 2.07 s).
+# 0.78 and at 2.2 GB 0.88 (1.82 s against 2.07 s).  CPU backend only: the one
+# GPU run (`bench/results/gpu_check.md`, an older writer) saved 4 GB in 6.14 s
+# streaming against Orbax default's 5.26 s, so elsewhere `auto` keeps Orbax's
+# writer wherever its worst case fits until a GPU measures otherwise.
 STREAM_FROM_BYTES = 256 * 1024 * 1024
 
 
@@ -364,10 +367,11 @@ def _streams_faster(est: estimate_lib.TreeEstimate) -> str:
     return (f'a blocking save of {est.num_leaves} leaves of {mean} on average'
             f' (at most {text.format_bytes(STREAM_LEAVES_UP_TO_BYTES)}):'
             " kd_ckpt's writer saves small leaves faster than Orbax's")
-  if est.global_bytes >= STREAM_FROM_BYTES:
-    return (f'a blocking save of {text.format_bytes(est.global_bytes)} (at least'
-            f' {text.format_bytes(STREAM_FROM_BYTES)}): kd_ckpt\'s writer overlaps its'
-            " writes with their flushes and saves a large state faster than Orbax's")
+  if est.platform == 'cpu' and est.global_bytes >= STREAM_FROM_BYTES:
+    return (f'a blocking save of {text.format_bytes(est.global_bytes)} on the CPU'
+            f' backend (at least {text.format_bytes(STREAM_FROM_BYTES)}): kd_ckpt\'s'
+            " writer overlaps its writes with their flushes and saves a large state"
+            " faster than Orbax's")
   return ''
 
 
@@ -511,8 +515,9 @@ def plan_save(
     save_id: the destination of the save this plans (saves pass it), which
       names its exchanges in a multi-process job.  None: a preflight.
     blocking: the save returns only once durable, as `kd_ckpt.save` does;
-      then 'auto' streams trees of small leaves or of at least 256 MiB,
-      which kd_ckpt's writer saves faster than Orbax's.  False (Kauldron's `SafeCheckpointer`, whose
+      then 'auto' streams trees of small leaves (and on the CPU backend
+      trees of at least 256 MiB), which kd_ckpt's writer saves faster than
+      Orbax's.  False (Kauldron's `SafeCheckpointer`, whose
       saves commit in the background): 'auto' prefers Orbax's async save
       wherever its worst case fits.
 

@@ -248,7 +248,7 @@ def test_processes_agree_to_stream_small_leaves(monkeypatch):
   (process 1's own share, nothing, would make it stream alone).  Leaves of
   16 KiB stream in a blocking save and keep Orbax's async save otherwise;
   leaves of 96 KiB keep Orbax's either way; 300 MiB of 3 MiB leaves stream
-  in a blocking save (a large tree) on both processes."""
+  in a blocking save (a large tree on the CPU backend) on both processes."""
 
   def est(process_index, leaf):
     return estimate_lib.TreeEstimate(
