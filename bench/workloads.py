@@ -85,8 +85,10 @@ def gen_leaf(jax, shape, dtype, sharding, seed: int):
 
 def add_one_state_args(ap, *, reps: int) -> None:
   """The arguments of the one-process save benches (ab_save, disk_timeline)."""
-  ap.add_argument('--state', default='gemma_gb', choices=GB_STATES + ('leaves',),
-                  help='leaves: --leaves f32 leaves of --leaf-bytes each, on one device')
+  ap.add_argument('--state', default='gemma_gb', choices=GB_STATES + ('leaves', 'zeros'),
+                  help='leaves: --leaves f32 leaves of --leaf-bytes each, on one device;'
+                  ' zeros: tests/states.py\'s `zeros` (noise beside large all-zero leaves)'
+                  ' of --gb (default 0.5 GiB)')
   ap.add_argument('--gb', type=float, default=None, help='state size (default: the bench\'s)')
   ap.add_argument('--leaves', type=int, default=1000)
   ap.add_argument('--leaf-bytes', type=int, default=4096)
@@ -101,6 +103,9 @@ def build_one_state(jax, args):
   """The state `add_one_state_args`'s arguments name, at their size."""
   if args.state == 'leaves':
     return build_leaves(jax, args.leaves, args.leaf_bytes, zeros=args.leaf_values == 'zeros')
+  if args.state == 'zeros':
+    from tests import states  # pylint: disable=g-import-not-at-top
+    return states.make_state('zeros', int(args.gb * 1e9) if args.gb else 512 << 20)
   total = int(args.gb * 1e9) if args.gb else (
       GEMMA_GB_BYTES if args.state == 'gemma_gb' else BIG_BYTES)
   return build_gb_state(jax, args.state, total)

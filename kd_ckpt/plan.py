@@ -60,20 +60,25 @@ STRATEGIES = ('auto', 'orbax', 'streaming')
 STREAM_LEAVES_UP_TO_BYTES = 64 * 1024
 
 # From this many bytes (the whole tree's, so that every process of a job
-# decides alike) a blocking save streams under `auto` whatever its leaves:
-# the streaming writer writes a large state faster than Orbax's (its writes
-# overlap their flushes, `kd_ckpt.writeback`), though on the CPU backend it
-# alone pays the host copy a GPU host pays both ways (`streaming.to_host`).
-# Below it that copy and its page faults cost more than the overlap gains.
-# Streaming's time over the Orbax path's, as above at 256 MiB, session 25
-# (2026-12-05): 100 x 1 MiB 1.52, 300 x 256 KiB 1.17, 40 x 4 MiB (168 MB)
-# 1.11; 40 x 8 MiB (336 MB) 0.96, one 512 MiB leaf 0.88, 40 x 16 MiB 0.75,
-# 40 x 32 MiB 0.83; the Gemma-like state (`--state gemma_gb`) at 0.5 GB
-# 0.78 and at 2.2 GB 0.88 (1.82 s against 2.07 s).  CPU backend only: the one
-# GPU run (`bench/results/gpu_check.md`, an older writer) saved 4 GB in 6.14 s
-# streaming against Orbax default's 5.26 s, so elsewhere `auto` keeps Orbax's
-# writer wherever its worst case fits until a GPU measures otherwise.
-STREAM_FROM_BYTES = 256 * 1024 * 1024
+# decides alike) a blocking save on the CPU backend streams under `auto`
+# whatever its leaves: there the streaming writer wrote large states faster
+# than Orbax's (its writes overlap their flushes, `kd_ckpt.writeback`),
+# though it alone pays the host copy a GPU host pays both ways
+# (`streaming.to_host`).  Streaming's time over the Orbax path's, hashed
+# leaves, medians of 4-5 saves alternating in one process with `dd` before
+# each (`bench/ab_save.py ... --variants now,kd-orbax`, session 25,
+# 2026-12-05): 100 x 1 MiB 1.52, 300 x 256 KiB 1.17, 40 x 4 MiB 1.11, 40 x 8
+# MiB 0.96, one 512 MiB leaf 0.88, 40 x 16 MiB 0.75, 40 x 32 MiB (1.34 GB)
+# 0.83, the Gemma-like state at 0.5 GB 0.78 and at 2.2 GB 0.88 (0.85 without
+# `dd`).  Against it, `tests/states.py`'s `zeros` state (noise beside large
+# all-zero leaves, `--state zeros`): 1.24 at 0.47 GB and 1.21 at 1.88 GB; its
+# all-zero leaves took about twice the Orbax path's time (a 512 MiB one:
+# 0.25-0.27 s against 0.12 s, faulting in 406 MiB of TensorStore's chunk
+# buffers against none).  Hence 1 GiB: up to it the noise states gain
+# little and the zeros state loses most.  Not on
+# other backends: the one GPU run (`bench/results/gpu_check.md`, an older
+# writer) saved 4 GB in 6.14 s streaming against Orbax default's 5.26 s.
+STREAM_FROM_BYTES = 1024 * 1024 * 1024
 
 
 class BudgetTooSmallError(ValueError):
@@ -516,7 +521,7 @@ def plan_save(
       names its exchanges in a multi-process job.  None: a preflight.
     blocking: the save returns only once durable, as `kd_ckpt.save` does;
       then 'auto' streams trees of small leaves (and on the CPU backend
-      trees of at least 256 MiB), which kd_ckpt's writer saves faster than
+      trees of at least 1 GiB), which kd_ckpt's writer saves faster than
       Orbax's.  False (Kauldron's `SafeCheckpointer`, whose
       saves commit in the background): 'auto' prefers Orbax's async save
       wherever its worst case fits.

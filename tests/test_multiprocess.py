@@ -247,7 +247,7 @@ def test_processes_agree_to_stream_small_leaves(monkeypatch):
   both processes decide alike, from the tree's global size and leaf count
   (process 1's own share, nothing, would make it stream alone).  Leaves of
   16 KiB stream in a blocking save and keep Orbax's async save otherwise;
-  leaves of 96 KiB keep Orbax's either way; 300 MiB of 3 MiB leaves stream
+  leaves of 96 KiB keep Orbax's either way; 1.2 GiB of 12 MiB leaves stream
   in a blocking save (a large tree on the CPU backend) on both processes."""
 
   def est(process_index, leaf):
@@ -261,9 +261,9 @@ def test_processes_agree_to_stream_small_leaves(monkeypatch):
 
   for leaf, blocking, want in ((16 << 10, True, 'streaming'), (16 << 10, False, 'orbax'),
                                (96 << 10, True, 'orbax'),
-                               # 100 x 3 MiB: 300 MiB in all, though process 1 writes none
+                               # 100 x 12 MiB: 1.2 GiB in all, though process 1 writes none
                                # of it (plan.STREAM_FROM_BYTES).
-                               (3 << 20, True, 'streaming'), (3 << 20, False, 'orbax')):
+                               (12 << 20, True, 'streaming'), (12 << 20, False, 'orbax')):
     exchange = _two_process_exchange()
     plans = {}
     for me in (1, 0, 1):
