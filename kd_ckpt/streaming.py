@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import itertools
 import json
 import math
 import sys
@@ -330,6 +331,10 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
       zero = arrays_lib.shards_all_zero([r.unsliced_data for r in p.rslices.replica_slices])
       if zero is not None:
         t = await pipeline.create(with_zstd(p.tspec) if zero else p.tspec, context)
+      keys = _zero_chunk_keys(p, with_zstd(p.tspec)) if zero else None
+      if keys is not None:
+        await self._write_zero_chunks(p, t, keys, pipeline, target_dtype)
+        return
     for rslice in p.rslices.replica_slices:
       data = rslice.unsliced_data
       base = [slice(0, n) for n in data.shape]
@@ -394,6 +399,98 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
         await pipeline.maybe_flush()
 
 
+  async def _write_zero_chunks(self, p: '_Prepared', t: ts.TensorStore,
+                               keys: list[tuple[str, int]], pipeline: '_Pipeline',
+                               target_dtype) -> None:
+    """Writes an all-zero leaf's chunks as one encoded chunk, stored under every key.
+
+    Through the array, TensorStore allocated and filled a chunk buffer for
+    every chunk of zeros before encoding it (a 512 MiB leaf: 0.25 s and 406
+    MiB faulted in, against 0.12 s and none for Orbax's writer).  Every
+    chunk of zeros encodes to the same bytes (zarr v2 stores edge chunks
+    whole), so one is encoded, streamed from the shared zero pages in 1 MiB
+    pieces (no RAM but zstd's context), and written to each chunk key in the
+    group's transaction, as the array would have written it.  The checkpoint
+    is the one the array writes make: stock Orbax reads it alike.
+    """
+    chunk = tuple(int(c) for c in with_zstd(p.tspec)['metadata']['chunks'])
+    nbytes = math.prod(chunk) * np.dtype(target_dtype).itemsize
+    # zstd's context and the frame, charged as the slice the array write was.
+    charge = cost.staged_charge(min(nbytes, self.save_context.slice_bytes), chunks=1,
+                                contiguous=True, aligned_bytes=0)
+    _, charge = await pipeline.admit(charge)
+    try:
+      encoded = _zstd_zeros(nbytes, pipeline.zeros((min(nbytes, 1 << 20),), np.uint8))
+    finally:
+      pipeline.lim.release(charge)
+    kv = t.kvstore
+    for key, elements in keys:
+      _, held = await pipeline.admit(cost.staged_charge(len(encoded)))
+      pipeline.write_bytes(kv, key, encoded, held,
+                           logical_bytes=elements * np.dtype(target_dtype).itemsize)
+      await pipeline.maybe_flush()
+    sums = self.save_context.checksums
+    if sums is not None:
+      for rslice in p.rslices.replica_slices:
+        dst = _region(rslice, p.arr.shape)
+        shape = tuple(d.stop - d.start for d in dst)
+        sums.add(p.name, slicing.pairs(dst, p.arr.shape), pipeline.zeros(shape, target_dtype),
+                 path=p.name, shape=p.arr.shape, dtype=target_dtype,
+                 crc=integrity.crc32c_zeros(math.prod(shape) * np.dtype(target_dtype).itemsize))
+
+
+def _region(rslice, shape) -> tuple[slice, ...]:
+  """The global region a replica slice writes (its `slice_args` part of its shard)."""
+  base = [slice(0, n) for n in rslice.unsliced_data.shape]
+  if rslice.slice_args is not None:
+    a = rslice.slice_args
+    base[a.axis] = slice(a.start_index, a.limit_index)
+  return slicing.offset(tuple(rslice.index), tuple(base), shape)
+
+
+def _zero_chunk_keys(p: '_Prepared', zspec: dict[str, Any]) -> list[tuple[str, int]] | None:
+  """The zarr v2 chunk keys this process writes of an all-zero leaf, or None.
+
+  Each key comes with the number of the array's elements in its chunk (an
+  edge chunk holds fewer than its shape).
+
+  None (write through the array) unless every region it writes is whole
+  chunks (a region may end at the array's edge) of a zarr v2 array with a
+  zstd compressor and no filters.
+  """
+  meta = zspec.get('metadata') or {}
+  chunks = meta.get('chunks')
+  if (zspec.get('driver') != 'zarr' or meta.get('zarr_format', 2) != 2 or not chunks
+      or (meta.get('compressor') or {}).get('id') != 'zstd' or meta.get('filters')
+      or len(chunks) != len(p.arr.shape) or not p.arr.shape):
+    return None
+  sep = meta.get('dimension_separator', '.')
+  keys: list[tuple[str, int]] = []
+  for rslice in p.rslices.replica_slices:
+    ranges = []
+    for d, c, n in zip(_region(rslice, p.arr.shape), chunks, p.arr.shape):
+      if d.start % c or (d.stop % c and d.stop != n) or d.stop <= d.start:
+        return None
+      ranges.append(range(d.start // c, -(-d.stop // c)))
+    keys += [(sep.join(map(str, idx)),
+              math.prod(min(c, n - i * c) for i, c, n in zip(idx, chunks, p.arr.shape)))
+             for idx in itertools.product(*ranges)]
+  return keys if len({k for k, _ in keys}) == len(keys) else None
+
+
+def _zstd_zeros(nbytes: int, zeros: np.ndarray) -> bytes:
+  """One zstd frame (level 1, Orbax's zarr v2 level) of `nbytes` zero bytes, fed from `zeros`."""
+  import zstandard  # pylint: disable=g-import-not-at-top  (a kd_ckpt dependency)
+  cobj = zstandard.ZstdCompressor(level=1).compressobj(size=nbytes)
+  out, left = [], nbytes
+  while left:
+    n = min(left, zeros.nbytes)
+    out.append(cobj.compress(zeros[:n]))
+    left -= n
+  out.append(cobj.flush())
+  return b''.join(out)
+
+
 class _Pipeline:
   """Slice writes grouped into non-atomic OCDBT transactions, inside the limiter.
 
@@ -423,7 +520,10 @@ class _Pipeline:
     self.txn: ts.Transaction | None = None
     self.staged: list[Any] = []
     self.creates: list[Any] = []  # arrays created in this group (`create`)
-    self.staged_bytes = 0
+    self.staged_bytes = 0  # what the group writes to storage
+    # The leaves' bytes it stands for (a zero leaf's chunks are written as
+    # a few KB each, `_write_zero_chunks`): the report's bytes written.
+    self.staged_logical_bytes = 0
     self.staged_charge = 0
     self.commits: collections.deque = collections.deque()
     self.retired = 0
@@ -574,6 +674,22 @@ class _Pipeline:
     if base is not None and base.base is None:  # its own buffer, not a slab's piece
       self.staged_bases.append(base)
     self.staged_bytes += host.nbytes
+    self.staged_logical_bytes += host.nbytes
+    self.staged_charge += charge
+    return fut
+
+  def write_bytes(self, kv: ts.KvStore, key: str, value: bytes, charge: int, *,
+                  logical_bytes: int):
+    """Stages `value` under `key` of `kv` (an array's stored chunk), as `write` stages a slice.
+
+    `logical_bytes`: the leaf's bytes the chunk holds once decoded.
+    """
+    if self.txn is None:
+      self.txn = ts.Transaction(atomic=False)
+    fut = kv.with_transaction(self.txn).write(key, value)
+    self.staged.append(fut)
+    self.staged_bytes += len(value)
+    self.staged_logical_bytes += logical_bytes
     self.staged_charge += charge
     return fut
 
@@ -591,16 +707,17 @@ class _Pipeline:
       return
     for f in self.creates + self.staged:  # Staged in memory; nothing is on disk yet.
       await f
-    self.commits.append((self.txn.commit_async(), self.staged_bytes,
+    self.commits.append((self.txn.commit_async(), self.staged_bytes, self.staged_logical_bytes,
                          len(self.staged), self.staged_charge, self.staged_bases))
     self.txn, self.staged, self.staged_bytes, self.staged_charge = None, [], 0, 0
+    self.staged_logical_bytes = 0
     self.creates = []
     self.staged_bases = []
     while len(self.commits) > self.max_commits:
       await self._retire()
 
   async def _retire(self) -> None:
-    fut, nbytes, nslices, charge, bases = self.commits.popleft()
+    fut, nbytes, logical_bytes, nslices, charge, bases = self.commits.popleft()
     try:
       await fut
     except BaseException:
@@ -613,7 +730,7 @@ class _Pipeline:
       # writeback (waiting here only when it is `writeback.DEPTH` starts
       # behind, which bounds the dirty page cache).
       await asyncio.to_thread(self.writeback.committed, nbytes)
-    self.stats.add(nbytes, nslices)
+    self.stats.add(logical_bytes, nslices)
     self.retired += 1
     if self.retired % TRIM_EVERY_COMMITS == 0:
       # TensorStore's threads free commit buffers into their own glibc
@@ -642,6 +759,7 @@ class _Pipeline:
       self.txn = None
       self.lim.release(self.staged_charge)
       self.staged, self.staged_bytes, self.staged_charge = [], 0, 0
+      self.staged_logical_bytes = 0
       self.staged_bases, self.creates = [], []
     elif self.staged_charge:  # a slab opened, nothing written
       self.lim.release(self.staged_charge)
@@ -649,7 +767,7 @@ class _Pipeline:
     self.slab = None
     self.pool.drop()
     while self.commits:
-      fut, _, _, charge, _ = self.commits.popleft()
+      fut, _, _, _, charge, _ = self.commits.popleft()
       try:
         await fut
       except Exception:  # pylint: disable=broad-exception-caught

@@ -314,6 +314,54 @@ def test_zero_leaves_are_stored_zstd_as_orbax_stores_them(tmp_path, monkeypatch,
   assert kd_ckpt.verify(d).ok
 
 
+def test_zero_leaves_write_one_encoded_chunk_under_every_key(tmp_path, monkeypatch):
+  """An all-zero leaf's chunks are one zstd frame stored under each chunk key
+  (TensorStore no longer fills a chunk buffer per chunk): the same keys as
+  the array writes make, on sharded, replicated (replica-parallel) and
+  prime-shaped leaves with edge chunks; a leaf of noise after zeros is not
+  taken for one.  Stock Orbax restores the zeros, and verify passes."""
+  import tensorstore as ts
+  from kd_ckpt import streaming
+  m1, m2 = states.meshes()
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  head = np.array(states.filled((4096, 1031), one))
+  head[:1024] = 0
+  tree = {
+      'mu': jax.device_put(np.zeros((1024, 1031), np.float32), states.NS(m1, states.P('x'))),
+      'nu': jax.device_put(np.zeros((2063, 1031), jax.numpy.bfloat16), states.NS(m1, states.P())),
+      'prime': jax.device_put(np.zeros((1031, 2053), np.float32), one),
+      'grid': jax.device_put(np.zeros((1024, 2048), np.float32), states.NS(m2, states.P('a', 'b'))),
+      'head': jax.device_put(head, one),
+  }
+  direct = []
+  real = streaming.StreamingArrayHandler._write_zero_chunks
+
+  async def counted(self, p, *args, **kwargs):
+    direct.append(p.name)
+    return await real(self, p, *args, **kwargs)
+
+  monkeypatch.setattr(streaming.StreamingArrayHandler, '_write_zero_chunks', counted)
+
+  def chunks(d):
+    kv = ts.KvStore.open({'driver': 'ocdbt', 'base': f'file://{d}/'}).result()
+    return {k.decode(): kv.read(k).result().value for k in kv.list().result()
+            if not k.decode().split('/')[-1].startswith('.')}
+
+  report = kd_ckpt.save(tmp_path / 'c', tree, host_ram_budget=48 * MiB, strategy='streaming')
+  assert sorted(direct) == ['grid', 'mu', 'nu', 'prime'], direct
+  monkeypatch.setattr(streaming, '_zero_chunk_keys', lambda *a: None)  # through the array
+  before = kd_ckpt.save(tmp_path / 'old', tree, host_ram_budget=48 * MiB, strategy='streaming')
+  # The report counts the leaves' bytes, not the few KB their chunks take.
+  assert report.bytes_written == before.bytes_written == sum(x.nbytes for x in tree.values())
+  new, old = chunks(tmp_path / 'c'), chunks(tmp_path / 'old')
+  zero_keys = {k for k in new if k.split('/')[0] in ('mu', 'nu', 'prime', 'grid')}
+  assert zero_keys == {k for k in old if k.split('/')[0] in ('mu', 'nu', 'prime', 'grid')}
+  assert len({new[k] for k in zero_keys if k.startswith('mu/')}) == 1  # one frame, every key
+  assert all(len(new[k]) < 64 * 1024 for k in zero_keys)
+  _assert_equal(tree, ocp.StandardCheckpointer().restore(tmp_path / 'c', _abstract(tree)))
+  assert kd_ckpt.verify(tmp_path / 'c').ok
+
+
 def test_restore_into_a_different_sharding(tmp_path):
   tree = _tree()
   tree.pop('empty')
