@@ -71,11 +71,11 @@ STREAM_LEAVES_UP_TO_BYTES = 64 * 1024
 # MiB 0.96, one 512 MiB leaf 0.88, 40 x 16 MiB 0.75, 40 x 32 MiB (1.34 GB)
 # 0.83, the Gemma-like state at 0.5 GB 0.78 and at 2.2 GB 0.88 (0.85 without
 # `dd`).  Against it, `tests/states.py`'s `zeros` state (noise beside large
-# all-zero leaves, `--state zeros`): 1.24 at 0.47 GB and 1.21 at 1.88 GB; its
-# all-zero leaves took about twice the Orbax path's time (a 512 MiB one:
-# 0.25-0.27 s against 0.12 s, faulting in 406 MiB of TensorStore's chunk
-# buffers against none).  Hence 1 GiB: up to it the noise states gain
-# little and the zeros state loses most.  Not on
+# all-zero leaves, `--state zeros`): 1.24 at 0.47 GB and 1.21 at 1.88 GB,
+# and 1.23 and 1.27 once zero leaves were written as one encoded chunk
+# (`streaming._write_zero_chunks`): there its noise leaves' host copy is not
+# paid back.  Hence 1 GiB: up to it the noise states gain little and the
+# zeros state loses most.  Not on
 # other backends: the one GPU run (`bench/results/gpu_check.md`, an older
 # writer) saved 4 GB in 6.14 s streaming against Orbax default's 5.26 s.
 STREAM_FROM_BYTES = 1024 * 1024 * 1024
