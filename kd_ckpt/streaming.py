@@ -329,18 +329,16 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
       # first step) is then written from zero pages, which hold no RAM, and
       # checksummed by its length; nothing of it comes to the host.
       zero = arrays_lib.shards_all_zero([r.unsliced_data for r in p.rslices.replica_slices])
+      zspec = with_zstd(p.tspec)
       if zero is not None:
-        t = await pipeline.create(with_zstd(p.tspec) if zero else p.tspec, context)
-      keys = _zero_chunk_keys(p, with_zstd(p.tspec)) if zero else None
+        t = await pipeline.create(zspec if zero else p.tspec, context)
+      keys = _zero_chunk_keys(p, zspec) if zero else None
       if keys is not None:
-        await self._write_zero_chunks(p, t, keys, pipeline, target_dtype)
+        await self._write_zero_chunks(p, t, zspec, keys, pipeline, target_dtype)
         return
     for rslice in p.rslices.replica_slices:
       data = rslice.unsliced_data
-      base = [slice(0, n) for n in data.shape]
-      if rslice.slice_args is not None:
-        a = rslice.slice_args
-        base[a.axis] = slice(a.start_index, a.limit_index)
+      base = _shard_part(rslice)
       for box in slicing.boxes(p.local_shape, p.chunk, p.itemsize,
                                self.save_context.slice_bytes):
         src_box = tuple(slice(b.start + bb.start, b.start + bb.stop)
@@ -398,8 +396,7 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
         del host, buf
         await pipeline.maybe_flush()
 
-
-  async def _write_zero_chunks(self, p: '_Prepared', t: ts.TensorStore,
+  async def _write_zero_chunks(self, p: '_Prepared', t: ts.TensorStore, zspec: dict[str, Any],
                                keys: list[tuple[str, int]], pipeline: '_Pipeline',
                                target_dtype) -> None:
     """Writes an all-zero leaf's chunks as one encoded chunk, stored under every key.
@@ -413,11 +410,9 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
     group's transaction, as the array would have written it.  The checkpoint
     is the one the array writes make: stock Orbax reads it alike.
     """
-    chunk = tuple(int(c) for c in with_zstd(p.tspec)['metadata']['chunks'])
-    nbytes = math.prod(chunk) * np.dtype(target_dtype).itemsize
+    nbytes = math.prod(zspec['metadata']['chunks']) * np.dtype(target_dtype).itemsize
     # zstd's context and the frame, charged as the slice the array write was.
-    charge = cost.staged_charge(min(nbytes, self.save_context.slice_bytes), chunks=1,
-                                contiguous=True, aligned_bytes=0)
+    charge = cost.staged_charge(min(nbytes, self.save_context.slice_bytes))
     _, charge = await pipeline.admit(charge)
     try:
       encoded = _zstd_zeros(nbytes, pipeline.zeros((min(nbytes, 1 << 20),), np.uint8))
@@ -439,13 +434,18 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
                  crc=integrity.crc32c_zeros(math.prod(shape) * np.dtype(target_dtype).itemsize))
 
 
-def _region(rslice, shape) -> tuple[slice, ...]:
-  """The global region a replica slice writes (its `slice_args` part of its shard)."""
+def _shard_part(rslice) -> list[slice]:
+  """The part of its shard a replica slice writes (its `slice_args`), in the shard's coordinates."""
   base = [slice(0, n) for n in rslice.unsliced_data.shape]
   if rslice.slice_args is not None:
     a = rslice.slice_args
     base[a.axis] = slice(a.start_index, a.limit_index)
-  return slicing.offset(tuple(rslice.index), tuple(base), shape)
+  return base
+
+
+def _region(rslice, shape) -> tuple[slice, ...]:
+  """The global region a replica slice writes."""
+  return slicing.offset(tuple(rslice.index), tuple(_shard_part(rslice)), shape)
 
 
 def _zero_chunk_keys(p: '_Prepared', zspec: dict[str, Any]) -> list[tuple[str, int]] | None:
