@@ -488,6 +488,18 @@ _TRIM_THRESHOLD_BYTES = {READ_MMAP_THRESHOLD_BYTES: 32 << 20}
 # its capacity (from 8 MiB at 128 MiB of capacity down to 1 MiB), and its
 # trim threshold (2x) with it.
 READ_HEAP_SHARE = 16
+# From a bucket the HTTP clients' response buffers, freed in many threads'
+# arenas, were kept there at 8 MiB (150 MiB beyond the restored arrays for a
+# 128 MiB budget, tests/test_object_storage.py), so a bucket read's threshold
+# is a smaller share, at most 4 MiB.  At 1 MiB for every budget, each byte
+# range (`reading.RANGE_BYTES`, 2 MiB, handed over as one bytes object) was
+# mapped, faulted in and unmapped.  The Gemma-like state from a bucket
+# through a 20 ms link at 256 MiB (`bench/gcs_requests.py --state gemma`,
+# 3 runs alternating with the 1 MiB code): 3.85-4.07 s and 3.62-3.90 CPU s,
+# against 4.06-4.52 s and 3.93-4.45 CPU s; 136-160 MiB beyond the restored
+# arrays, against 130-136 MiB.
+REMOTE_READ_MMAP_THRESHOLD_BYTES = 4 << 20
+REMOTE_READ_HEAP_SHARE = 64
 _mmap_scopes: collections.Counter = collections.Counter()  # threshold -> open scopes
 _mmap_current: int | None = None
 _mmap_lock = threading.Lock()
@@ -497,17 +509,20 @@ def read_mmap_threshold(*, remote: bool, capacity_bytes: int | None = None) -> i
   """glibc's mmap threshold for a read (`mmap_large_buffers`).
 
   `READ_MMAP_THRESHOLD_BYTES` from local disks, and at most a
-  `READ_HEAP_SHARE`th of the read's capacity.  From a bucket, 1 MiB as for
-  saves: the HTTP clients' response buffers, freed in many threads' arenas,
-  were kept there at 8 MiB (150 MiB beyond the restored arrays for a 128
-  MiB budget, tests/test_object_storage.py).
+  `READ_HEAP_SHARE`th of the read's capacity.  From a bucket
+  `REMOTE_READ_MMAP_THRESHOLD_BYTES` at most, a `REMOTE_READ_HEAP_SHARE`th
+  of the capacity (1 MiB, as for saves, when the capacity is unknown).
+  Never under 1 MiB.
+
+  Example:
+
+    hostmem.read_mmap_threshold(remote=True, capacity_bytes=232 << 20)  # 3.6 MiB
   """
-  if remote:
-    return _OPERATION_MMAP_THRESHOLD_BYTES
+  most, share = ((REMOTE_READ_MMAP_THRESHOLD_BYTES, REMOTE_READ_HEAP_SHARE) if remote
+                 else (READ_MMAP_THRESHOLD_BYTES, READ_HEAP_SHARE))
   if capacity_bytes is None:
-    return READ_MMAP_THRESHOLD_BYTES
-  return min(READ_MMAP_THRESHOLD_BYTES,
-             max(_OPERATION_MMAP_THRESHOLD_BYTES, int(capacity_bytes) // READ_HEAP_SHARE))
+    return _OPERATION_MMAP_THRESHOLD_BYTES if remote else most
+  return min(most, max(_OPERATION_MMAP_THRESHOLD_BYTES, int(capacity_bytes) // share))
 
 
 def _user_tuned_malloc() -> bool:

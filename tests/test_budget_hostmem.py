@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kd_ckpt import budget
+from kd_ckpt import cost
 from kd_ckpt import hostmem
 from kd_ckpt import limiter as limiter_lib
 
@@ -286,4 +287,11 @@ def test_a_reads_heap_threshold_shrinks_with_its_capacity():
   assert hostmem.read_mmap_threshold(remote=False, capacity_bytes=1 << 30) == 8 * MiB
   assert hostmem.read_mmap_threshold(remote=False, capacity_bytes=72 * MiB) == 72 * MiB // 16
   assert hostmem.read_mmap_threshold(remote=False, capacity_bytes=8 * MiB) == 1 * MiB
-  assert hostmem.read_mmap_threshold(remote=True, capacity_bytes=1 << 30) == 1 * MiB
+  # From a bucket a smaller share, at most 4 MiB: at 256 MiB the 2 MiB
+  # byte ranges are reused from the heap, at 64 MiB they are not.
+  assert hostmem.read_mmap_threshold(remote=True) == 1 * MiB
+  assert hostmem.read_mmap_threshold(remote=True, capacity_bytes=1 << 30) == 4 * MiB
+  assert hostmem.read_mmap_threshold(
+      remote=True, capacity_bytes=cost.limiter_capacity(256 * MiB)) > 2 * MiB + 4096
+  assert hostmem.read_mmap_threshold(
+      remote=True, capacity_bytes=cost.limiter_capacity(64 * MiB)) == 1 * MiB
