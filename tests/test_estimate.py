@@ -118,7 +118,7 @@ def test_orbax_worst_case_is_never_below_the_measured_peak(tmp_path, layout):
 
 def test_a_named_budget_is_whole_mib_with_room_for_a_new_processes_start_up():
   """Refusals name a budget the next process accepts: rounded up, never
-  down, with headroom for a start-up measured up to 3.2 MiB apart."""
+  down, with headroom for a start-up measured up to 5.1 MiB apart."""
   from kd_ckpt import text  # pylint: disable=g-import-not-at-top
   MiB = 1 << 20  # pylint: disable=invalid-name
   assert cost.suggested_budget_bytes(45 * MiB) == 45 * MiB
@@ -128,6 +128,10 @@ def test_a_named_budget_is_whole_mib_with_room_for_a_new_processes_start_up():
   # 4.5-7.7 MiB apart in restores of one drawn state (fuzz seed 226).
   named = cost.suggested_budget_bytes(int(30.7 * MiB + 4.5 * MiB), startup_bytes=int(4.5 * MiB))
   assert named >= int((30.7 + 7.7) * MiB)
+  # About 6 MiB in the refused process, 11.12 MiB in the retry (fuzz seed 639,
+  # an `orbax` save that needed 28.91 MiB beyond its start-up).
+  named = cost.suggested_budget_bytes(int((28.91 + 6) * MiB), startup_bytes=6 * MiB)
+  assert named >= int((28.91 + 11.12) * MiB), named / MiB
   assert text.budget_literal(47 * MiB) == "'47MiB'"
   assert text.budget_literal(2048 * MiB) == "'2GiB'"
   assert text.budget_literal(47 * MiB + 1) == "'48MiB'"
