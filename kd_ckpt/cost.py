@@ -236,10 +236,11 @@ def startup_spread_bytes(startup_bytes: int) -> int:
   4.5-7.7 MiB (12 processes) for the restores of drawn states whose
   processes had compiled a trivial program (seeds 90 and 226): the spread
   does not grow with the start-up.  Seed 639's `orbax` save: about 6 MiB in
-  the process refused, 11.12 MiB in the one that retried at the named
-  budget, which it then exceeded by 0.03 MiB (a quarter, at most 4 MiB,
-  plus 3 MiB, named 1.5 MiB of spread).  Half of it, at most 4 MiB, plus 3
-  MiB covers all of these.
+  the process refused (inferred from the budget it named), 11.12 MiB in
+  the one that retried at that budget, which it then exceeded by 0.03 MiB:
+  the headroom was a quarter of the start-up, at most 4 MiB, plus 3 MiB
+  (4.5 MiB there).  Half of it, at most 4 MiB, plus 3 MiB covers all of
+  these.
   """
   return min(startup_bytes // 2, 4 * MiB) + 3 * MiB if startup_bytes else 0
 
