@@ -652,10 +652,8 @@ class _Pipeline:
     the store returned is opened from the spec's metadata, reading nothing,
     and `write` binds it to each group in turn.
     """
-    if self.txn is None:
-      self.txn = ts.Transaction(atomic=False)
     self.creates.append(ts.open(ts.Spec(tspec), create=True, open=True, context=context,
-                                transaction=self.txn))
+                                transaction=self._transaction()))
     return await ts.open(ts.Spec(tspec), open=True, assume_metadata=True, context=context)
 
   def write(self, t: ts.TensorStore, dst, host: np.ndarray, charge: int, *,
@@ -666,17 +664,11 @@ class _Pipeline:
     slice's own (its capacity is in `charge`) is reused once the commit is
     durable; a piece of a slab is the slab's (already tracked).
     """
-    if self.txn is None:
-      self.txn = ts.Transaction(atomic=False)
-    fut = t.with_transaction(self.txn)[dst].write(
+    fut = t.with_transaction(self._transaction())[dst].write(
         host, can_reference_source_data_indefinitely=True)
-    self.staged.append(fut)
     if base is not None and base.base is None:  # its own buffer, not a slab's piece
       self.staged_bases.append(base)
-    self.staged_bytes += host.nbytes
-    self.staged_logical_bytes += host.nbytes
-    self.staged_charge += charge
-    return fut
+    return self._staged(fut, host.nbytes, host.nbytes, charge)
 
   def write_bytes(self, kv: ts.KvStore, key: str, value: bytes, charge: int, *,
                   logical_bytes: int):
@@ -684,11 +676,19 @@ class _Pipeline:
 
     `logical_bytes`: the leaf's bytes the chunk holds once decoded.
     """
+    fut = kv.with_transaction(self._transaction()).write(key, value)
+    return self._staged(fut, len(value), logical_bytes, charge)
+
+  def _transaction(self) -> ts.Transaction:
+    """The group's transaction, begun by its first write."""
     if self.txn is None:
       self.txn = ts.Transaction(atomic=False)
-    fut = kv.with_transaction(self.txn).write(key, value)
+    return self.txn
+
+  def _staged(self, fut, stored_bytes: int, logical_bytes: int, charge: int):
+    """Counts a staged write in the group; returns its future."""
     self.staged.append(fut)
-    self.staged_bytes += len(value)
+    self.staged_bytes += stored_bytes
     self.staged_logical_bytes += logical_bytes
     self.staged_charge += charge
     return fut
