@@ -46,7 +46,7 @@ def checkpoint_dir(directory) -> epath.Path:
     raise FileNotFoundError(
         f'No checkpoint at {os.fspath(directory)!r}. Check the path (for a'
         ' Kauldron step, point at its item folder, e.g. ckpt_100/default).')
-  if storage.is_unfinished(path):
+  if storage.is_unfinished(path, exists=True):
     # Even with a complete _METADATA (killed just before the rename or the
     # commit file), an unfinished save is never a checkpoint: nothing vouches
     # for it.

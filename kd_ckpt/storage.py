@@ -148,20 +148,22 @@ def check_supported(path) -> None:
 # --- finished or not ---------------------------------------------------------------
 
 
-def is_unfinished(path) -> bool:
+def is_unfinished(path, *, exists: bool = False) -> bool:
   """Whether `path` is what a save left before it finished (never a checkpoint).
 
   Local: Orbax's temporary name.  gs://: no `commit_success.txt` in the
-  folder or in its step folder (Orbax writes it last).
+  folder or in its step folder (Orbax writes it last).  `exists`: the
+  caller has just seen `path` exist (on a bucket, one round trip fewer).
   """
   p = epath.Path(path)
   if TMP_MARKER in p.name:
     return True
   if not is_remote(p):
     return False
-  forget_listings(p)
-  if not p.exists():
-    return False
+  if not exists:
+    forget_listings(p)
+    if not p.exists():
+      return False
   return not ((p / COMMIT_FILE).exists() or (p.parent / COMMIT_FILE).exists())
 
 
