@@ -143,9 +143,7 @@ def restore(
   """
   # A process's first touch of a bucket (its storage clients) is paid inside
   # the budget: what it took is not there for the reads.
-  # With a target that holds arrays the restore will compile: XLA's start-up
-  # then runs beside the storage's.
-  paid = startup.start_storage(directory, compiler=target is not None and startup.compiles(target))
+  paid = startup.start_storage(directory)
   path = inspecting.checkpoint_dir(directory)
   if verify:
     check = verifying.verify(path, host_ram_budget=host_ram_budget)

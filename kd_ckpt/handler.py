@@ -278,12 +278,10 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     # stalled at 48 MiB (300 s waiting for 3 MiB), perhaps because the
     # start-up's RSS, measured amid the read, counted other threads' memory.
     # Reverted: up front, nothing else of the restore runs while it is measured.
-    # Likewise a first touch of a bucket (`kd_ckpt.restore` starts the clients
-    # before it looks for the checkpoint, and says what that took); where
-    # both are to pay, the compiler's runs beside the storage's.
-    storage_bytes = (getattr(args, 'storage_startup_bytes', 0)
-                     + startup.start_storage(directory, compiler=arrays))
     compiler_bytes = startup.start_compiler() if arrays else 0
+    # Likewise a first touch of a bucket (`kd_ckpt.restore` starts the clients
+    # before it looks for the checkpoint, and says what that took).
+    storage_bytes = getattr(args, 'storage_startup_bytes', 0) + startup.start_storage(directory)
     startup_bytes = compiler_bytes + storage_bytes
     need = cost.min_restore_budget_bytes(num_leaves) + startup_bytes
     if budget_bytes < need:

@@ -87,8 +87,8 @@ class MeasuredSave:
     # Likewise a process's first touch of a bucket (its storage clients).
     self.plan = plan_lib.plan_save(
         tree, host_ram_budget=host_ram_budget, strategy=strategy,
-        startup_bytes=startup.start(directory, compiler=startup.compiles(tree)),
-        save_id=self.directory,
+        startup_bytes=(startup.start_compiler() if startup.compiles(tree) else 0)
+        + startup.start_storage(directory), save_id=self.directory,
         blocking=blocking)
     self.stats = arrays_lib.SaveStats()
     self._contexts = {}

@@ -59,14 +59,14 @@ def start_compiler() -> int:
   with _lock:
     if _started:
       return 0
-    cost = _rss_cost(_compile_once)
+
+    def compile_once():
+      with jax.transfer_guard('allow'):  # Kauldron's train loop disallows transfers.
+        jax.block_until_ready(jax.jit(_programs)(np.ones((4, 8), np.float16), np.int32(1)))
+
+    cost = _rss_cost(compile_once)
     _started = True
   return cost
-
-
-def _compile_once() -> None:
-  with jax.transfer_guard('allow'):  # Kauldron's train loop disallows transfers.
-    jax.block_until_ready(jax.jit(_programs)(np.ones((4, 8), np.float16), np.int32(1)))
 
 
 def _rss_cost(fn) -> int:
@@ -84,67 +84,31 @@ def _rss_cost(fn) -> int:
 _storage_started: set[str] = set()
 
 
-def start_storage(directory, *, compiler: bool = False) -> int:
+def start_storage(directory) -> int:
   """Starts the clients of `directory`'s storage if this process has not; returns the RSS that took.
 
   Local paths cost nothing.  For a bucket: etils.epath's filesystem (a
   listing of the bucket's root) and TensorStore's kvstore driver (a listing
   of an empty range).  Errors are left to the operation itself, which names
   the path.
-
-  `compiler`: the operation will also need `start_compiler()`.  Where both
-  are still to pay, XLA's start-up runs in a thread during the storage's
-  (which waits on imports and requests), and the RSS returned is the two
-  together; `start_compiler()` then returns 0.  A fresh process restoring
-  Gemma-like 1.15 GB from fake-gcs-server paid them one after the other:
-  0.2 s of compiling after the storage's 0.35 s (`bench/gcs_requests.py`).
   """
   from kd_ckpt import storage  # pylint: disable=g-import-not-at-top
-  global _started
   scheme = storage.scheme(directory)
   if scheme is None or scheme not in storage.SUPPORTED_SCHEMES:
     return 0
   with _lock:
     if scheme in _storage_started:
       return 0
-    compiled = []
-
-    def compile_beside():
-      try:
-        _compile_once()
-        compiled.append(True)
-      except Exception:  # pylint: disable=broad-exception-caught
-        pass  # `start_compiler()` tries again, and raises, on its own.
 
     def warm_up():
-      beside = None
-      if compiler and not _started:
-        beside = threading.Thread(target=compile_beside, name='kd_ckpt-compile', daemon=True)
-        beside.start()
       try:
         storage.warm_up(directory)
       except Exception:  # pylint: disable=broad-exception-caught
         pass
-      finally:
-        if beside is not None:
-          beside.join()
 
     cost = _rss_cost(warm_up)
     _storage_started.add(scheme)
-    if compiled:
-      _started = True
   return cost
-
-
-def start(directory, *, compiler: bool) -> int:
-  """`start_storage(directory)`, and `start_compiler()` if `compiler`: the RSS both took.
-
-  Example:
-
-    startup_bytes = startup.start('gs://bucket/ckpt', compiler=startup.compiles(tree))
-  """
-  paid = start_storage(directory, compiler=compiler)
-  return paid + (start_compiler() if compiler else 0)
 
 
 def compiles(tree) -> bool:

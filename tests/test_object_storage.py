@@ -545,37 +545,6 @@ def test_first_bucket_access_of_a_process_is_paid_inside_the_budget(server, buck
     states.run_worker('restore', d, 'prime', str(STATE_BYTES), str(48 * MiB))
 
 
-COLD_STARTUP_WORKER = '''
-import json, sys
-from kd_ckpt import startup
-paid = startup.start_storage(sys.argv[1], compiler=sys.argv[2] == '1')
-compiled = startup._started
-print(json.dumps({'paid': paid, 'compiled': compiled, 'compiler_after': startup.start_compiler(),
-                  'storage_again': startup.start_storage(sys.argv[1], compiler=True)}))
-'''
-
-
-def test_a_cold_processes_compiler_starts_beside_its_storage_and_is_counted_once(server, bucket):
-  """A fresh restore script with a target: XLA's start-up runs during the bucket's, in one measure.
-
-  Both are paid once (`start_compiler` then returns 0), and what the window
-  measured holds both: more than the storage's alone in a like process.
-  """
-  def cold(compiler: bool) -> dict:
-    proc = subprocess.run([sys.executable, '-c', COLD_STARTUP_WORKER, bucket, str(int(compiler))],
-                          cwd=REPO, env={**os.environ, 'PYTHONPATH': str(REPO), 'JAX_PLATFORMS': 'cpu'},
-                          capture_output=True, text=True, timeout=300, check=True)
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-  both, storage_only = cold(True), cold(False)
-  print(f'together {both["paid"] / MiB:.1f} MiB; storage alone {storage_only["paid"] / MiB:.1f}'
-        f' MiB, then the compiler {storage_only["compiler_after"] / MiB:.1f} MiB')
-  assert both['compiled'] and both['compiler_after'] == 0 and both['storage_again'] == 0, both
-  assert not storage_only['compiled'] and storage_only['compiler_after'] > 16 * MiB, storage_only
-  # The compiler's start-up (30-50 MiB here) lands inside the one window.
-  assert both['paid'] > storage_only['paid'] + 16 * MiB, (both, storage_only)
-
-
 # --- faults --------------------------------------------------------------------------
 
 FAULT_WORKER = '''
