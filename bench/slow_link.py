@@ -43,6 +43,7 @@ class SlowLink:
     self.down_bytes = 0
     # Each request's method and target ('GET /storage/v1/b/...'), in order.
     self.request_lines: list[str] = []
+    self.request_times: list[float] = []  # time.time() of each of request_lines
     # Samples (every SAMPLE_SECS while bytes flow): connections that carried
     # response bytes in the sample -> how many samples.
     self.busy: collections.Counter = collections.Counter()
@@ -78,6 +79,7 @@ class SlowLink:
     self.connections = self.requests = self.down_bytes = 0
     self.busy = collections.Counter()
     self.request_lines = []
+    self.request_times = []  # time.time() of each of request_lines
 
   def _sample(self) -> None:
     while not self._stop.is_set():
@@ -106,9 +108,11 @@ class SlowLink:
       try:
         while data := await client_r.read(CHUNK_BYTES):
           self.requests += data.count(b' HTTP/1.1\r\n')
-          self.request_lines.extend(
-              line.rsplit(b' ', 1)[0].decode('latin-1')
-              for line in data.split(b'\r\n') if line.endswith(b' HTTP/1.1'))
+          now = time.time()
+          for line in data.split(b'\r\n'):
+            if line.endswith(b' HTTP/1.1'):
+              self.request_lines.append(line.rsplit(b' ', 1)[0].decode('latin-1'))
+              self.request_times.append(now)
           loop.call_at(loop.time() + self.latency_secs, server_w.write, data)
         await asyncio.sleep(self.latency_secs)
         server_w.write_eof()

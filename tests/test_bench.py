@@ -779,8 +779,12 @@ def test_slow_link_delays_each_request_and_caps_each_connection():
     _, bare_secs = get(server.server_address[1])
     with slow_link.SlowLink(server.server_address[1], latency_secs=0.2,
                             rate_bytes_per_sec=1e6) as link:
+      sent = time.time()
       got, secs = get(link.port)
       assert got == body
+      # When the request reached the link: before the server had it.
+      assert link.request_lines == ['GET /x'], link.request_lines
+      assert sent <= link.request_times[0] <= sent + secs - 0.2, (sent, link.request_times, secs)
       # 0.2 s before the server sees the request, then 400 KB at 1 MB/s.
       assert secs >= 0.2 + 0.4 * 0.9, (secs, bare_secs)
       assert link.requests == 1 and link.connections == 1, (link.requests, link.connections)
