@@ -22,6 +22,14 @@ kd_ckpt's local saves leave as they write, `kd_ckpt.writeback`):
   kd-orbax        `kd_ckpt.save(strategy='orbax')`: Orbax's writer with the
                   settings auto picks where Orbax's worst case fits
   orbax           `ocp.StandardCheckpointer().save` + `wait_until_finished`
+  ts-alone        TensorStore alone: the state's bytes (in 2 MiB rows of one
+                  raw zarr array) from one reused host buffer, through OCDBT
+                  transactions of the streaming layout's group size, one
+                  commit in flight, writeback started after each commit and
+                  every file fsynced at the end (`kd_ckpt.writeback`, as a
+                  streaming save does): no device-to-host copy, checksum or
+                  Python between slices.  The writer's floor on this disk,
+                  in the same run.
 
 A kd_ckpt variant may name its own budget, `now@1GiB` or `auto@1GiB`
 (otherwise `--budget`): does a larger budget save faster?
@@ -57,7 +65,9 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, 'bench'))
 
 import workloads  # pylint: disable=g-import-not-at-top,wrong-import-position
-VARIANTS = ('now', 'prev', 'fsync/commit', 'before', 'all-raw', 'auto', 'kd-orbax', 'orbax')
+VARIANTS = ('now', 'prev', 'fsync/commit', 'before', 'all-raw', 'auto', 'kd-orbax', 'orbax',
+            'ts-alone')
+TS_ALONE_ROW_BYTES = 2 << 20
 
 
 def _disk(root: str):
@@ -111,6 +121,47 @@ def _patch(variant: str, streaming):
     streaming._Pipeline.admit = plain  # pylint: disable=protected-access
     undo.append(lambda: setattr(streaming._Pipeline, 'admit', admit))  # pylint: disable=protected-access
   return lambda: [u() for u in undo]
+
+
+def _ts_alone(path: str, nbytes: int, group_bytes: int) -> None:
+  """The `ts-alone` variant: TensorStore writing nbytes as the streaming writer's transactions do."""
+  import asyncio  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import streaming, writeback  # pylint: disable=g-import-not-at-top
+  cols = TS_ALONE_ROW_BYTES // 4
+  rows = -(-nbytes // TS_ALONE_ROW_BYTES)
+  src = np.random.default_rng(0).random(cols, dtype=np.float32)
+
+  wb = writeback.Writeback(path)
+
+  async def write():
+    t = await ts.open({
+        'driver': 'zarr',
+        'kvstore': {'driver': 'ocdbt', 'base': f'file://{path}', 'path': 'a/'},
+        'metadata': {'shape': [rows, cols], 'chunks': [1, cols], 'dtype': '<f4',
+                     'compressor': None}},
+        create=True, open=True, context=streaming.write_context(sync=False))
+    txn, staged, group, commit = None, 0, [], None
+    for r in range(rows):
+      txn = txn or ts.Transaction(atomic=False)
+      group.append(t.with_transaction(txn)[r].write(
+          src, can_reference_source_data_indefinitely=True))
+      staged += TS_ALONE_ROW_BYTES
+      if staged >= group_bytes or r == rows - 1:
+        for f in group:
+          await f
+        if commit is not None:
+          await commit
+          wb.committed(group_bytes)
+        commit, txn, staged, group = txn.commit_async(), None, 0, []
+    await commit
+
+  try:
+    asyncio.run(write())
+    wb.finish()  # fsyncs every file and directory, as a save's end does
+  finally:
+    wb.close()
 
 
 def _dd_rows(rows, root: str, f: str, nbytes: int) -> None:
@@ -189,7 +240,10 @@ def main(argv=None) -> int:
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         c0, d0, t = os.times(), _disk(root), time.perf_counter()
         try:
-          if kind == 'orbax':
+          if kind == 'ts-alone':
+            _ts_alone(path, nbytes, kd_ckpt.plan_save(
+                state, host_ram_budget=args.budget, strategy='streaming').layout.group_bytes)
+          elif kind == 'orbax':
             ckptr = ocp.StandardCheckpointer()
             ckptr.save(path, state)
             ckptr.wait_until_finished()

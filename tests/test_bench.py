@@ -791,3 +791,19 @@ def test_slow_link_delays_each_request_and_caps_each_connection():
       assert link.down_bytes > len(body)
   finally:
     server.shutdown()
+
+
+def test_ab_save_ts_alone_writes_the_states_bytes(tmp_path):
+  """bench/ab_save.py's `ts-alone` row: TensorStore writes as many bytes as the save does."""
+  proc = subprocess.run(
+      [sys.executable, str(BENCH / 'ab_save.py'), '--state', 'leaves', '--leaves', '20',
+       '--leaf-bytes', str(1 << 20), '--reps', '1', '--variants', 'now,ts-alone', '--no-dd',
+       '--dir', str(tmp_path)],
+      cwd=REPO, capture_output=True, text=True, timeout=600,
+      env={**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=8'})
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = {line.split('|')[1].strip(): [c.strip() for c in line.split('|')[1:-1]]
+          for line in proc.stdout.splitlines() if line.startswith('| ') and '---' not in line}
+  saved_mb, alone_mb = float(rows['now'][-1]), float(rows['ts-alone'][-1])
+  assert 20 * (1 << 20) / 1e6 <= alone_mb <= saved_mb * 1.01, (saved_mb, alone_mb)
+  assert rows['ts-alone'][-2] == '0.00', rows  # no device-to-host copies
