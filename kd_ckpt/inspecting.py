@@ -42,11 +42,16 @@ def checkpoint_dir(directory) -> epath.Path:
   """`directory` if it is a PyTree checkpoint; else an error saying what to pass."""
   path = epath.Path(directory)
   storage.forget_listings(path)
-  if not path.exists():
+  # On a bucket each question is a round trip (or two): asked together, the
+  # answers come back in one.  Read in the same order as locally.
+  exists, unfinished, has_metadata = storage.ask_together(
+      path.exists, lambda: storage.is_unfinished(path, exists=True),
+      (path / '_METADATA').exists, remote=storage.is_remote(path))
+  if not exists():
     raise FileNotFoundError(
         f'No checkpoint at {os.fspath(directory)!r}. Check the path (for a'
         ' Kauldron step, point at its item folder, e.g. ckpt_100/default).')
-  if storage.is_unfinished(path, exists=True):
+  if unfinished():
     # Even with a complete _METADATA (killed just before the rename or the
     # commit file), an unfinished save is never a checkpoint: nothing vouches
     # for it.
@@ -56,7 +61,7 @@ def checkpoint_dir(directory) -> epath.Path:
         f'{path} is an unfinished save ({what}), never a checkpoint. Restore'
         ' a finished step (`python -m kd_ckpt inspect` finds the latest), or an'
         ' earlier one.')
-  if (path / '_METADATA').exists():
+  if has_metadata():
     return path
   hint = ''
   if (path / 'default' / '_METADATA').exists():

@@ -34,13 +34,14 @@ Example:
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import os
 import posixpath
 import re
 import shutil
 import uuid
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from etils import epath
 import tensorstore as ts
@@ -165,6 +166,27 @@ def is_unfinished(path, *, exists: bool = False) -> bool:
     if not p.exists():
       return False
   return not ((p / COMMIT_FILE).exists() or (p.parent / COMMIT_FILE).exists())
+
+
+def ask_together(*questions: Callable[[], Any], remote: bool) -> list[Callable[[], Any]]:
+  """Each question's answer, as a call that returns it (or raises what asking raised).
+
+  On a bucket (`remote`) the questions go out at once, in threads: each is
+  a request or two, and one after the other they wait a round trip each.
+  Locally they are asked in turn, when their answers are called for.
+
+  Example:
+
+    exists, done = storage.ask_together(path.exists, (path / COMMIT_FILE).exists,
+                                        remote=storage.is_remote(path))
+    if exists() and done(): ...
+  """
+  if not remote:
+    return list(questions)
+  with concurrent.futures.ThreadPoolExecutor(len(questions)) as pool:
+    futures = [pool.submit(q) for q in questions]
+    concurrent.futures.wait(futures)
+  return [f.result for f in futures]
 
 
 def answers(path) -> bool:
@@ -421,9 +443,12 @@ def warm_up(directory) -> None:
   """Touches `directory`'s storage clients once (imports, sessions, transports)."""
   import tensorstore as ts  # pylint: disable=g-import-not-at-top
   bucket = epath.Path(f'{scheme(directory)}://{_bucket(directory)}')
-  bucket.exists()
-  kv = ts.KvStore.open(kvstore_spec(directory)).result()
-  kv.list(ts.KvStore.KeyRange(b'\xff', b'\xff\x00')).result()
+
+  def transport():
+    kv = ts.KvStore.open(kvstore_spec(directory)).result()
+    kv.list(ts.KvStore.KeyRange(b'\xff', b'\xff\x00')).result()
+  for answer in ask_together(bucket.exists, transport, remote=True):
+    answer()
 
 
 # --- helpers ------------------------------------------------------------------------

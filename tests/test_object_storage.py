@@ -531,6 +531,23 @@ def test_side_by_side_takes_only_leaves_that_hold_nothing_between_reads(monkeypa
   assert reading._side_by_side(by_shard, ctx(16 * MiB), shape, f32, replicated, None)
 
 
+def test_a_bucket_path_that_is_not_a_checkpoint_is_named_as_locally(server, bucket):
+  """`checkpoint_dir` asks a bucket its questions together; its answers still come in order."""
+  with pytest.raises(FileNotFoundError, match='No checkpoint at'):
+    kd_ckpt.restore(f'{bucket}/missing')
+  step = f'{bucket}/ckpt_3'
+  kd_ckpt.save(f'{step}/default', {'a': np.arange(4.0)})
+  # Without the step's own commit file the step is an unfinished save.
+  with pytest.raises(ValueError, match='unfinished save'):
+    kd_ckpt.restore(step)
+  # A Kauldron step (its manager wrote the commit file) holds its item
+  # folder, not _METADATA itself.
+  (epath.Path(step) / storage.COMMIT_FILE).write_text('')
+  with pytest.raises(kd_ckpt.NoCheckpointError, match='pass its item folder'):
+    kd_ckpt.restore(step)
+  _same(kd_ckpt.restore(f'{step}/default'), {'a': np.arange(4.0)})
+
+
 @pytest.mark.slow
 def test_first_bucket_access_of_a_process_is_paid_inside_the_budget(server, bucket, monkeypatch):
   """A fresh restore or save script: gcsfs and TensorStore's transport start inside the call."""

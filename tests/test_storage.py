@@ -160,3 +160,30 @@ def test_only_this_targets_unfinished_saves_are_removed(tmp_path):
   assert sorted(removed) == sorted(os.fspath(p) for p in mine)
   assert not any(p.exists() for p in mine) and all(p.exists() for p in others)
   assert storage.remove_unfinished(tmp_path / 'missing' / 'ckpt') == []
+
+
+def test_questions_to_a_bucket_go_out_together():
+  """`ask_together`: on a bucket the questions run at once; an error is raised where its answer is read."""
+  import time  # pylint: disable=g-import-not-at-top
+  asked = []
+
+  def question(answer, secs=0.3):
+    def ask():
+      asked.append(answer)
+      time.sleep(secs)
+      if isinstance(answer, Exception):
+        raise answer
+      return answer
+    return ask
+
+  start = time.monotonic()
+  one, two, bad = storage.ask_together(
+      question(1), question(2), question(FileNotFoundError('gone')), remote=True)
+  assert time.monotonic() - start < 0.6  # together, not 0.9 s one after the other
+  assert one() == 1 and two() == 2
+  with pytest.raises(FileNotFoundError, match='gone'):
+    bad()
+  # Locally: asked in turn, only when the answer is read.
+  asked.clear()
+  first, second = storage.ask_together(question('a', 0), question('b', 0), remote=False)
+  assert asked == [] and first() == 'a' and asked == ['a'] and second() == 'b'
