@@ -154,7 +154,8 @@ def is_unfinished(path, *, exists: bool = False) -> bool:
 
   Local: Orbax's temporary name.  gs://: no `commit_success.txt` in the
   folder or in its step folder (Orbax writes it last).  `exists`: the
-  caller has just seen `path` exist (on a bucket, one round trip fewer).
+  caller asks whether `path` exists itself, and heeds that answer first
+  (on a bucket, one round trip fewer); a missing `path` is then "unfinished".
   """
   p = epath.Path(path)
   if TMP_MARKER in p.name:
