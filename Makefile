@@ -14,8 +14,9 @@
 #   make test-orbax-lowest   test-fast against the lowest supported
 #                      orbax-checkpoint (ORBAX_LOWEST=0.12.7), venv untouched
 #   make demo          stock Orbax vs kd_ckpt peaks side by side (plot), then a
-#                      tiny Gemma LoRA through kauldron.main: train (reusing the
-#                      frozen weights), resume, inspect and verify each save
+#                      tiny Gemma LoRA through kauldron.main: load pretrained
+#                      weights within the budget, train (reusing the frozen
+#                      weights), resume, inspect and verify each save
 #   make plan          preflight of the full Gemma 3 4B LoRA config's saves
 #                      (PLAN_ARGS='--host-ram-budget=16GiB --json' to change)
 #   make bench         bench/run.py: GB-scale rows (4 GB leaf, 2.2 GB Gemma-like),
@@ -185,14 +186,17 @@ demo: $(STAMP)
 	      --cfg.__args__.tiny=True "$$@" >"$$log" 2>&1; then \
 	    tail -n 30 "$$log" | cut -c1-400; echo "FAILED, full log: $$log"; exit 1; \
 	  fi; \
-	  grep -E "\] (kd_ckpt step [0-9]+( saved|: writing)|Starting training loop)" "$$log" \
+	  grep -E "\] (kd_ckpt (step [0-9]+( saved|: writing)|init: )|Starting training loop)" "$$log" \
 	    | sed -E 's/^.*[IWE][0-9]{4} [0-9:.]+ +[0-9]+ [^]]+\] //' || true; \
 	}; \
-	echo; echo "== 2/4 tiny Gemma LoRA, 4 steps, kd_ckpt.SafeCheckpointer with reuse_unchanged:" \
+	echo; echo "== 2/4 tiny Gemma LoRA, 4 steps, from pretrained weights (stock Orbax, Gemma's" \
+	  "published layout) loaded inside the budget; kd_ckpt.SafeCheckpointer with reuse_unchanged:" \
 	  "from the second save on, only the LoRA weights and their optimizer state are written"; \
-	run "$$wd/train_1.log"; \
+	$(PY) examples/gemma_weights.py "$$wd/pretrained" >"$$wd/pretrained.log" 2>&1 \
+	  || { tail -n 20 "$$wd/pretrained.log"; exit 1; }; \
+	run "$$wd/train_1.log" --cfg.__args__.pretrained="$$wd/pretrained"; \
 	echo; echo "== 3/4 run again to step 8: resumes from the last checkpoint (a bounded restore)"; \
-	run "$$wd/train_2.log" --cfg.num_train_steps=8; \
+	run "$$wd/train_2.log" --cfg.__args__.pretrained="$$wd/pretrained" --cfg.num_train_steps=8; \
 	echo; echo "== 4/4 the checkpoints (python -m kd_ckpt inspect DIR, then verify DIR: CRC32C of every leaf)"; \
 	for d in $$(ls -d "$$wd"/checkpoints/ckpt_* | sort -V); do \
 	  echo; $(PY) -m kd_ckpt inspect "$$d" | sed -n '/^$$/q;p'; \

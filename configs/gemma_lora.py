@@ -26,6 +26,10 @@ Flags (`ConfigArgs`, set with `--cfg.__args__.<name>=<value>`):
   a save takes the frozen Gemma weights, unchanged since the previous
   checkpoint, by reference (hard links) and writes only the LoRA weights and
   their optimizer state; every checkpoint stays a complete Orbax checkpoint.
+* `pretrained='/path/ckpt'`: the Gemma checkpoint to start from (default:
+  `GEMMA3_4B_IT`; with `tiny`, none: the random init).  With `safe_ckpt`
+  it is loaded within `host_ram_budget` too (`kd_ckpt.InitWithinBudget`):
+  Gemma's loader reads it through kd_ckpt's reader.
 * `tiny=True`: a dummy Gemma and synthetic pre-tokenized data, 4 steps, a
   checkpoint every 2 steps; runs offline on CPU in seconds:
 
@@ -71,6 +75,9 @@ class ConfigArgs:
     strategy: "auto", "orbax" or "streaming".
     reuse_unchanged: reuse the leaves that did not change since the previous
       checkpoint (the frozen weights) instead of writing them again.
+    pretrained: the Gemma checkpoint (stock Orbax, e.g. `gm.ckpts.CheckpointPath`)
+      to load the weights from; "" for the default (GEMMA3_4B_IT, or none
+      with `tiny`).
     tiny: dummy Gemma + synthetic tokens, 4 steps, a save every 2 (offline).
   """
 
@@ -78,6 +85,7 @@ class ConfigArgs:
   host_ram_budget: str | float = "auto"
   strategy: str = "auto"
   reuse_unchanged: bool = True
+  pretrained: str = ""
   tiny: bool = False
 
 
@@ -110,8 +118,6 @@ def get_config(args: ConfigArgs = ConfigArgs()):
         rank=4,
         model=gm.testing.DummyGemma(tokens="batch.input"),
     )
-    # No pretrained weights offline: start from the random init.
-    init_transform = kd.ckpts.NoopTransform()
     train_ds = _make_tiny_dataset(batch_size=batch_size)
     evals = {}
   else:
@@ -122,13 +128,6 @@ def get_config(args: ConfigArgs = ConfigArgs()):
             # LoRA fine-tuning with multimodal is not supported by gemma yet.
             text_only=True,
         ),
-    )
-    # Load the weights from the pretrained checkpoint.  `SkipLoRA`: the
-    # original checkpoint does not contain the LoRA weights.
-    init_transform = gm.ckpts.SkipLoRA(
-        wrapped=gm.ckpts.LoadCheckpoint(
-            path=gm.ckpts.CheckpointPath.GEMMA3_4B_IT,
-        )
     )
     train_ds = _make_dataset(
         training=True,
@@ -157,7 +156,7 @@ def get_config(args: ConfigArgs = ConfigArgs()):
       seed=42,
       train_ds=train_ds,
       model=model,
-      init_transform=init_transform,
+      init_transform=_make_init_transform(args),
       num_train_steps=num_train_steps,
       train_losses={
           "xentropy": kd.losses.SoftmaxCrossEntropyWithIntLabels(
@@ -174,6 +173,22 @@ def get_config(args: ConfigArgs = ConfigArgs()):
       checkpointer=_make_checkpointer(args, save_interval_steps),
       evals=evals,
   )
+
+
+def _make_init_transform(args: ConfigArgs):
+  """The pretrained weights: Gemma's loader, within the budget with kd_ckpt."""
+  path = args.pretrained or (None if args.tiny else gm.ckpts.CheckpointPath.GEMMA3_4B_IT)
+  if path is None:
+    # No pretrained weights offline: start from the random init.
+    return kd.ckpts.NoopTransform()
+  # `SkipLoRA`: the original checkpoint does not contain the LoRA weights.
+  load = gm.ckpts.SkipLoRA(wrapped=gm.ckpts.LoadCheckpoint(path=path))
+  if args.safe_ckpt:
+    # Gemma's loader reads through its own StandardCheckpointer: with Orbax's
+    # reader a stock checkpoint can take as much host RAM again as the
+    # weights, before the first step.
+    return kd_ckpt.InitWithinBudget(wrapped=load, host_ram_budget=args.host_ram_budget)
+  return load
 
 
 def _make_checkpointer(args: ConfigArgs, save_interval_steps: int):

@@ -9,9 +9,12 @@ Example:
   state = kd_ckpt.restore("/ckpt/step_100", jax.eval_shape(lambda: state))
   print(kd_ckpt.verify("/ckpt/step_100"))                   # CRC32C per leaf
   print(kd_ckpt.inspect("/ckpt/step_100"))                  # leaves, how saved
+  with kd_ckpt.within_budget("2GiB"):                       # code that builds its own
+    params = gm.ckpts.load_params(path, params=params)      # ocp.StandardCheckpointer
 
   # Kauldron config (needs `pip install "kd_ckpt[kauldron]"`):
   cfg.checkpointer = kd_ckpt.SafeCheckpointer(save_interval_steps=500)
+  cfg.init_transform = kd_ckpt.InitWithinBudget(wrapped=gm.ckpts.LoadCheckpoint(path=...))
 
 `host_ram_budget` is a limit: the peak RSS of a save (async commit included)
 or restore, minus the RSS just before it, stays at or under it.
@@ -35,6 +38,7 @@ from kd_ckpt.inspecting import CheckpointInfo
 from kd_ckpt.inspecting import find_checkpoint
 from kd_ckpt.inspecting import inspect
 from kd_ckpt.inspecting import NoCheckpointError
+from kd_ckpt.orbax_scope import within_budget
 from kd_ckpt.plan import BudgetTooSmallError
 from kd_ckpt.plan import OrbaxSettings
 from kd_ckpt.plan import plan_save
@@ -54,6 +58,7 @@ __all__ = [
     'ExchangeTimeoutError',
     'HostMemory',
     'IncompatibleVersionError',
+    'InitWithinBudget',
     'NoCheckpointError',
     'NoChecksumsError',
     'OrbaxSettings',
@@ -74,19 +79,20 @@ __all__ = [
     'restore',
     'save',
     'verify',
+    'within_budget',
 ]
 
 __version__ = '0.2.0'
 
 
 def __getattr__(name: str):
-  # Kauldron is optional: import it only when SafeCheckpointer is asked for.
-  if name == 'SafeCheckpointer':
+  # Kauldron is optional: import it only when its glue is asked for.
+  if name in ('SafeCheckpointer', 'InitWithinBudget'):
     try:
-      from kd_ckpt.kauldron import SafeCheckpointer  # pylint: disable=g-import-not-at-top
+      from kd_ckpt import kauldron  # pylint: disable=g-import-not-at-top
     except ImportError as e:
       raise ImportError(
-          'kd_ckpt.SafeCheckpointer needs Kauldron: pip install "kd_ckpt[kauldron]"'
+          f'kd_ckpt.{name} needs Kauldron: pip install "kd_ckpt[kauldron]"'
           f' ({e}).') from e
-    return SafeCheckpointer
+    return getattr(kauldron, name)
   raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

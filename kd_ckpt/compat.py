@@ -220,17 +220,18 @@ def default_type_handler_pairs() -> list[tuple[Any, Any]]:
   return pairs
 
 
-def replace_standard_checkpoint_handler(cls: type) -> None:
-  """Makes Orbax's `StandardCheckpointHandler` resolve to `cls` (test processes only).
+def replace_standard_checkpoint_handler(cls: type) -> type:
+  """Makes Orbax's `StandardCheckpointHandler` resolve to `cls`; returns the one before.
 
-  Orbax's test utilities subclass the name from its defining module when
-  they are imported; `kd_ckpt.testing.install_orbax_peer` uses this.
+  Orbax's `StandardCheckpointer` (and its test utilities, when imported)
+  look the name up in its defining module; `kd_ckpt.orbax_scope` swaps it.
   """
   mod = importlib.import_module(f'{_O}.handlers.standard_checkpoint_handler')
   if not hasattr(mod, 'StandardCheckpointHandler'):
     raise IncompatibleVersionError(_message(
         'orbax-checkpoint', mod.__name__, 'StandardCheckpointHandler', (), 'it is gone'))
-  mod.StandardCheckpointHandler = cls
+  previous, mod.StandardCheckpointHandler = mod.StandardCheckpointHandler, cls
+  return previous
 
 
 def is_unlimited(byte_limiter) -> bool:

@@ -3,7 +3,8 @@
 `install_orbax_peer(strategy)` makes every Orbax PyTree save and restore in
 this process go through kd_ckpt: its `jax.Array` and `np.ndarray` type
 handlers replace Orbax's in the global registry, and
-`StandardCheckpointHandler` resolves to `SafePyTreeHandler`.  It is how
+`StandardCheckpointHandler` resolves to `SafePyTreeHandler`
+(`orbax_scope.StandardHandler`, for the rest of the process).  It is how
 `make test-orbax-peer` runs Orbax's own handler test suites against kd_ckpt
 (`tools/orbax_peer.py`); it changes process-wide state, so call it only in a
 process made for that.
@@ -21,8 +22,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from kd_ckpt import arrays as arrays_lib
-from kd_ckpt import compat
-from kd_ckpt import handler as handler_lib
+from kd_ckpt import orbax_scope
 from kd_ckpt import orbax_writer
 from kd_ckpt import plan as plan_lib
 from kd_ckpt import streaming
@@ -41,18 +41,4 @@ def install_orbax_peer(strategy: str) -> None:
   ocp.type_handlers.register_type_handler(jax.Array, cls(save=ctx), override=True)
   ocp.type_handlers.register_type_handler(
       np.ndarray, arrays_lib.KdNumpyHandler(), override=True)
-
-  class PeerStandardHandler(handler_lib.SafePyTreeHandler):
-    """`SafePyTreeHandler` taking StandardCheckpointHandler's arguments."""
-
-    def __init__(self, *, save_concurrent_gb=None, restore_concurrent_gb=None,
-                 multiprocessing_options=ocp.options.MultiprocessingOptions(),
-                 pytree_metadata_options=None, use_ocdbt=True):
-      del save_concurrent_gb, restore_concurrent_gb  # kd_ckpt bounds memory itself
-      super().__init__(host_ram_budget=PEER_BUDGET, strategy=strategy,
-                       multiprocessing_options=multiprocessing_options,
-                       pytree_metadata_options=pytree_metadata_options,
-                       use_ocdbt=use_ocdbt)
-
-  compat.replace_standard_checkpoint_handler(PeerStandardHandler)
-  ocp.StandardCheckpointHandler = PeerStandardHandler
+  orbax_scope.install_for_process(PEER_BUDGET, strategy)

@@ -7,6 +7,7 @@ one test's heap never flatters or spoils another's peak.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import json
 import math
@@ -657,8 +658,12 @@ def _worker(argv):
     orbax                    Orbax's default async save (StandardCheckpointer)
     stock                    the same, unmeasured (a checkpoint to restore)
     restore BUDGET [VIA]     kd_ckpt.restore (VIA=ckpt: SafeCheckpointer.restore
-                             of a `ckpt` save; VIA=none: no target); peak and
-                             the restored bytes
+                             of a `ckpt` save; VIA=none: no target;
+                             VIA=standard: Orbax's StandardCheckpointer inside
+                             kd_ckpt.within_budget, VIA=gemma: Gemma's
+                             gm.ckpts.load_params inside it, VIA=orbax and
+                             gemma_stock: the same without kd_ckpt, the budget
+                             unused); peak and the restored bytes
     cold_save STRATEGY BUDGET    kd_ckpt.save as the process's first jit
                              (STATE is ignored: `host_made`)
     cold_restore BUDGET      kd_ckpt.restore, no target, as the first jit
@@ -782,6 +787,30 @@ def _worker(argv):
       with hostmem.PeakRss() as peak:
         back = ckpt.restore(State(params=abstract), step=1, donate=False)
         jax.block_until_ready(back)
+    elif via in ('standard', 'orbax', 'gemma', 'gemma_stock'):
+      # Code that builds its own StandardCheckpointer (a weights loader).
+      scope = (kd_ckpt.within_budget(budget) if via in ('standard', 'gemma')
+               else contextlib.nullcontext())
+      if via.startswith('gemma'):
+        from gemma import gm  # pylint: disable=g-import-not-at-top
+        import tempfile  # pylint: disable=g-import-not-at-top
+        # Gemma imports much lazily (TensorFlow among it, ~700 MiB) on its
+        # first load, and a Kauldron run has compiled its model by its init
+        # transform: one tiny load first, so that neither is measured here.
+        with tempfile.TemporaryDirectory() as tiny:
+          gm.ckpts.save_params({'w': jnp.ones((3,))}, tiny + '/c', wait_until_finished=True)
+          with (kd_ckpt.within_budget(budget) if via == 'gemma' else contextlib.nullcontext()):
+            gm.ckpts.load_params(tiny + '/c')
+        _settle()
+        load = lambda: gm.ckpts.load_params(directory, params=abstract)
+      else:
+        load = lambda: ocp.StandardCheckpointer().restore(directory, abstract)
+      with hostmem.PeakRss() as peak:
+        start = time.monotonic()
+        with scope:
+          back = load()
+        jax.block_until_ready(back)
+        seconds = time.monotonic() - start
     elif via == 'none':  # no target: shapes, dtypes and shardings as saved
       with hostmem.PeakRss() as peak:
         back = kd_ckpt.restore(directory, host_ram_budget=budget, strict=strict)
@@ -792,6 +821,8 @@ def _worker(argv):
         jax.block_until_ready(back)
     out = {'peak_extra_bytes': peak.extra_bytes, 'restored_bytes': resident_bytes(back),
            'budget_bytes': budget_lib.resolve(budget, hostmem.probe())}
+    if via in ('standard', 'orbax', 'gemma', 'gemma_stock'):
+      out['seconds'] = seconds
     got = _digests(back.params if via == 'ckpt' else back)
     if got != want:
       bad = sorted(k for k in want if got.get(k) != want[k])

@@ -603,6 +603,22 @@ def test_restore_stock_smoke(tmp_path):
   assert all(b <= 48 + 8 for b in beyond), rows  # the budget, + the tests' tolerance
 
 
+def test_load_weights_smoke(tmp_path):
+  """bench/load_weights.py: one state, Orbax's reader and kd_ckpt's, a row each,
+  bit-exact (the worker checks), kd_ckpt's peak within the budget."""
+  out = tmp_path / 'w.md'
+  proc = subprocess.run(
+      [sys.executable, str(BENCH / 'load_weights.py'), '--states', 'mesh2d_prime',
+       '--mib', '48', '--budget', '64MiB', '--loaders', 'orbax,standard', '--out', str(out)],
+      capture_output=True, text=True, timeout=900, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [l.split('|') for l in out.read_text().splitlines() if l.startswith('| mesh2d_prime')]
+  assert [r[2].strip() for r in rows] == [
+      'StandardCheckpointer, Orbax', 'StandardCheckpointer, kd_ckpt.within_budget']
+  assert rows[0][4].strip() == '1.00x' and rows[1][4].strip().endswith('x')
+  assert float(rows[1][5].split()[0]) <= 64 + 8, rows  # the budget, + the tests' tolerance
+
+
 def test_profile_save_times_every_part(tmp_path):
   """bench/profile_save.py at 64 MiB: every part timed, in one table, nothing left behind."""
   proc = subprocess.run(

@@ -32,12 +32,14 @@ EXAMPLE_RUNS = {
     'orbax_manager_loop.py': [
         '--ckpt-dir={tmp}/loop', '--steps=6', '--save-interval-steps=2',
         '--max-to-keep=2', '--host-ram-budget=64MiB'],
+    'gemma_weights.py': ['{tmp}/weights'],
 }
 # What each example's output must show (a run that prints nothing useful fails).
 EXAMPLE_EXPECT = {
     'peak_demo.py': r'stock Orbax .*MiB',
     'seed000_orbax_vs_kd_ckpt.py': r'restored bit-exact: True',
     'orbax_manager_loop.py': r'done at step 6; kept steps \[4, 6\]',
+    'gemma_weights.py': r'wrote 8 leaves of DummyGemma weights',
 }
 
 

@@ -5,6 +5,9 @@ tokens, 4 steps, a save every 2) runs on 8 fake CPU devices:
 
 * with SafeCheckpointer: ckpt_0/2/4, each with a kd_ckpt report;
 * with the stock kd.ckpts.Checkpointer: the same steps;
+* both start from the same pretrained weights (a stock Orbax checkpoint
+  loaded by Gemma's `LoadCheckpoint`; with SafeCheckpointer through
+  `kd_ckpt.InitWithinBudget`, inside the budget);
 * the SafeCheckpointer run again to step 6: it resumes from ckpt_4;
 * checkpoints restore bit-exact across the two checkpointers, and the two
   runs trained to the same parameters.
@@ -121,12 +124,24 @@ def _assert_bit_equal(a: dict[str, np.ndarray], b: dict[str, np.ndarray]):
 
 
 @pytest.fixture(scope='module')
-def first_runs(tmp_path_factory):
+def pretrained(tmp_path_factory) -> pathlib.Path:
+  """The tiny model's weights in Gemma's published layout (stock Orbax)."""
+  path = tmp_path_factory.mktemp('pretrained') / 'weights'
+  subprocess.run([sys.executable, str(REPO / 'examples' / 'gemma_weights.py'), str(path)],
+                 check=True, cwd=REPO,
+                 env={**os.environ, 'JAX_PLATFORMS': 'cpu'}, timeout=TIMEOUT_SECS,
+                 capture_output=True)
+  return path
+
+
+@pytest.fixture(scope='module')
+def first_runs(tmp_path_factory, pretrained):
   """Both 4-step runs, side by side (start-up is mostly one core each)."""
   workdirs = {k: tmp_path_factory.mktemp(k) for k in ('safe', 'stock')}
+  load = f'--cfg.__args__.pretrained={pretrained}'
   procs = {
-      'safe': _start(workdirs['safe'], '--cfg.__args__.safe_ckpt=True'),
-      'stock': _start(workdirs['stock'], '--cfg.__args__.safe_ckpt=False'),
+      'safe': _start(workdirs['safe'], '--cfg.__args__.safe_ckpt=True', load),
+      'stock': _start(workdirs['stock'], '--cfg.__args__.safe_ckpt=False', load),
   }
   try:
     for proc in procs.values():
@@ -200,6 +215,24 @@ def test_both_checkpointers_saved_the_same_training(safe_params_4, stock_params_
   # Same seed, same data, same devices: the checkpointer changes nothing.
   _assert_bit_equal(safe_params_4, stock_params_4)
   assert any('lora' in k for k in safe_params_4)
+
+
+@pytest.mark.parametrize('run', ['safe', 'stock'])
+def test_both_runs_start_from_the_pretrained_weights(run, request, pretrained):
+  """ckpt_0 (before any step) holds the loaded weights, and fresh LoRA weights."""
+  with ocp.StandardCheckpointer() as c:
+    stored = c.restore(pretrained)
+  want = {'.'.join([*module.split('/')[1:], *([] if module.endswith(('/mlp/linear', '/mlp/gating_einsum')) else [name])]): np.asarray(x)
+          for module, leaves in stored.items() for name, x in leaves.items()}
+  got = _orbax_params(_step_dirs(request.getfixturevalue(f'{run}_run')[0])[0])
+  lora = {k for k in got if 'lora' in k}
+  assert lora and got.keys() - lora == want.keys()
+  _assert_bit_equal({k: got[k] for k in want}, want)
+  log = request.getfixturevalue(f'{run}_run')[1]
+  # The safe run's weights came through kd_ckpt (`kd_ckpt.InitWithinBudget`).
+  assert (run == 'safe') == bool(re.search(
+      r"kd_ckpt init: SkipLoRA.transform ran with Orbax's StandardCheckpointer inside"
+      r' host_ram_budget=auto: peak extra RSS ', log)), run
 
 
 @pytest.fixture(scope='module')

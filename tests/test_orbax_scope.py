@@ -1,0 +1,153 @@
+"""kd_ckpt.within_budget: code that builds its own StandardCheckpointer, inside a budget.
+
+Gemma's weights loader (`gm.ckpts.load_params`, behind `gm.ckpts.LoadCheckpoint`)
+restores through an `ocp.StandardCheckpointer()` of its own.  Inside
+`kd_ckpt.within_budget`, that checkpointer is kd_ckpt's: the restore's peak
+beyond the restored arrays stays within the budget, where Orbax's own reader
+takes several times more; after the block Orbax's handler is back.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import kd_ckpt
+from kd_ckpt import orbax_scope
+from tests import states
+
+MiB = 1 << 20
+TOLERANCE = 8 * MiB
+BUDGET = 64 * MiB
+STATE_BYTES = 192 * MiB
+
+
+@pytest.fixture(scope='module')
+def stock(tmp_path_factory):
+  """Stock Orbax checkpoints of states whose shapes no cost was fitted on."""
+  root = tmp_path_factory.mktemp('scope')
+  out = {}
+  for state in ('mesh2d_prime', 'many_medium', 'prime_rep'):
+    d = str(root / state)
+    states.run_worker('stock', d, state, str(STATE_BYTES))
+    out[state] = d
+  return out
+
+
+@pytest.mark.parametrize('via', ['standard', 'gemma'])
+@pytest.mark.parametrize('state', ['mesh2d_prime', 'many_medium', 'prime_rep'])
+def test_a_loaders_own_checkpointer_reads_within_the_budget(stock, state, via):
+  """Fresh processes; values checked bit-exact by the worker."""
+  if via == 'gemma':
+    pytest.importorskip('gemma')
+  got = states.run_worker('restore', stock[state], state, str(STATE_BYTES), str(BUDGET), via)
+  beyond = got['peak_extra_bytes'] - got['restored_bytes']
+  print(f'{state} via {via}: {beyond / MiB:.1f} MiB beyond the restored arrays'
+        f' ({got["restored_bytes"] / MiB:.0f} MiB), budget {BUDGET // MiB} MiB')
+  assert beyond <= BUDGET + TOLERANCE, (state, via, beyond / MiB)
+
+
+def test_orbax_reader_alone_takes_more_than_the_budget(stock):
+  """The comparison the test above stands on: the same restore, Orbax's reader."""
+  got = states.run_worker('restore', stock['mesh2d_prime'], 'mesh2d_prime',
+                          str(STATE_BYTES), str(BUDGET), 'orbax')
+  beyond = got['peak_extra_bytes'] - got['restored_bytes']
+  print(f'mesh2d_prime, Orbax\'s reader: {beyond / MiB:.1f} MiB beyond the restored arrays')
+  assert beyond > 2 * BUDGET, got
+
+
+def _tree():
+  m1, m2 = states.meshes()
+  return {'w': states.filled((4 * 61, 1031), jax.sharding.NamedSharding(m2, jax.sharding.PartitionSpec('a'))),
+          'v': states.filled((13,), jax.sharding.NamedSharding(m1, jax.sharding.PartitionSpec()))}
+
+
+def test_inside_the_block_kd_ckpt_refuses_a_budget_and_after_it_orbax_restores(tmp_path):
+  tree = _tree()
+  with ocp.StandardCheckpointer() as c:
+    c.save(tmp_path / 'c', tree)
+  target = states.abstract_of(tree)
+  with kd_ckpt.within_budget('1MiB'):
+    with pytest.raises(kd_ckpt.BudgetTooSmallError, match="Raise host_ram_budget to '"):
+      ocp.StandardCheckpointer().restore(tmp_path / 'c', target)
+    assert ocp.StandardCheckpointHandler is orbax_scope.StandardHandler
+  back = ocp.StandardCheckpointer().restore(tmp_path / 'c', target)  # Orbax's: no budget
+  assert ocp.StandardCheckpointHandler is not orbax_scope.StandardHandler
+  for k in tree:
+    np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(tree[k]))
+
+
+def test_a_save_inside_the_block_is_a_stock_checkpoint(tmp_path):
+  tree = _tree()
+  with kd_ckpt.within_budget('64MiB', strategy='streaming'):
+    with ocp.StandardCheckpointer() as c:
+      c.save(tmp_path / 'c', tree)
+  # kd_ckpt's writer records a CRC32C per slice; Orbax's does not.
+  assert kd_ckpt.verify(tmp_path / 'c').ok
+  with ocp.StandardCheckpointer() as c:  # stock Orbax reads it
+    back = c.restore(tmp_path / 'c', states.abstract_of(tree))
+  for k in tree:
+    np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(tree[k]))
+
+
+@pytest.mark.parametrize('budget, strategy, match', [
+    ('lots', 'auto', 'lots'), ('8GiB', 'fastest', 'fastest'), (-3, 'auto', '-3')])
+def test_bad_arguments_are_named_before_the_block_runs(budget, strategy, match):
+  ran = []
+  with pytest.raises(ValueError, match=match):
+    with kd_ckpt.within_budget(budget, strategy=strategy):
+      ran.append(1)
+  assert not ran
+  assert ocp.StandardCheckpointHandler is not orbax_scope.StandardHandler
+
+
+def test_an_error_in_the_block_puts_orbax_back_and_blocks_nest(tmp_path):
+  stock_cls = ocp.StandardCheckpointHandler
+  with pytest.raises(KeyError):
+    with kd_ckpt.within_budget('64MiB'):
+      with kd_ckpt.within_budget('1MiB'):
+        assert orbax_scope._scopes[-1][0] == '1MiB'  # pylint: disable=protected-access
+      assert orbax_scope._scopes[-1][0] == '64MiB'  # pylint: disable=protected-access
+      raise KeyError('in the block')
+  assert ocp.StandardCheckpointHandler is stock_cls
+  assert not orbax_scope._scopes  # pylint: disable=protected-access
+
+
+def test_init_within_budget_names_a_bad_budget_when_built():
+  kd_ckpt_kauldron = pytest.importorskip('kd_ckpt.kauldron')
+  from kauldron import kd  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match='lots'):
+    kd_ckpt_kauldron.InitWithinBudget(wrapped=kd.ckpts.NoopTransform(), host_ram_budget='lots')
+
+
+def test_init_within_budget_runs_the_wrapped_loader_inside_the_block(tmp_path, caplog):
+  kd_ckpt_kauldron = pytest.importorskip('kd_ckpt.kauldron')
+  from kauldron import kd  # pylint: disable=g-import-not-at-top
+  tree = _tree()
+  with ocp.StandardCheckpointer() as c:
+    c.save(tmp_path / 'c', tree)
+  target = states.abstract_of(tree)
+
+  class Load(kd.ckpts.InitTransform):
+    """Loads the weights with a StandardCheckpointer of its own, as Gemma's does."""
+
+    def transform(self, state):
+      return ocp.StandardCheckpointer().restore(tmp_path / 'c', state)
+
+  caplog.set_level('INFO')
+  back = kd_ckpt_kauldron.InitWithinBudget(wrapped=Load(), host_ram_budget='64MiB').transform(
+      target)
+  for k in tree:
+    np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(tree[k]))
+  # Nothing loaded after the optimizer: no line for it.
+  assert kd_ckpt_kauldron.InitWithinBudget(
+      wrapped=Load(), host_ram_budget='64MiB').transform_after_optimizer(target) is target
+  lines = [r.getMessage() for r in caplog.records if 'kd_ckpt init' in r.getMessage()]
+  assert len(lines) == 1 and lines[0].startswith(
+      "kd_ckpt init: Load.transform ran with Orbax's StandardCheckpointer inside"
+      ' host_ram_budget=64MiB: peak extra RSS '), lines
+  with pytest.raises(kd_ckpt.BudgetTooSmallError):  # the budget binds the loader's reads
+    kd_ckpt_kauldron.InitWithinBudget(wrapped=Load(), host_ram_budget='1MiB').transform(target)
+  assert ocp.StandardCheckpointHandler is not orbax_scope.StandardHandler
