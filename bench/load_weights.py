@@ -1,13 +1,15 @@
-"""Pretrained weights loaded by code that builds its own StandardCheckpointer.
+"""Pretrained weights loaded by code that builds its own Orbax checkpointer.
 
     .venv/bin/python bench/load_weights.py --out FILE.md     # ~2 min on 2 cores
 
 Gemma's loader (`gm.ckpts.load_params`, behind `gm.ckpts.LoadCheckpoint`)
 restores a stock Orbax checkpoint with an `ocp.StandardCheckpointer()` of its
-own.  For each state (`tests/states.py`: shapes no cost was fitted on) this
-saves a stock checkpoint, then loads it in fresh processes: through
-`ocp.StandardCheckpointer().restore` and through Gemma's `load_params`, each
-once with Orbax's reader and once inside `kd_ckpt.within_budget(BUDGET)`.
+own, MaxText's (`load_params_from_path`) with an `ocp.PyTreeCheckpointer()`.
+For each state (`tests/states.py`: shapes no cost was fitted on) this saves a
+stock checkpoint, then loads it in fresh processes: through
+`ocp.StandardCheckpointer().restore`, Gemma's `load_params` and
+`ocp.PyTreeCheckpointer().restore` with restore args, each once with Orbax's
+reader and once inside `kd_ckpt.within_budget(BUDGET)`.
 Each row: seconds, the peak RSS beyond the restored arrays (each device
 buffer counted once: Orbax places a replicated leaf's copies apart, kd_ckpt
 on the CPU backend shares one host buffer), and the arrays.  Every load is
@@ -32,6 +34,8 @@ LOADERS = (
     ('StandardCheckpointer, kd_ckpt.within_budget', 'standard'),
     ('gm.ckpts.load_params, Orbax', 'gemma_stock'),
     ('gm.ckpts.load_params, kd_ckpt.within_budget', 'gemma'),
+    ('PyTreeCheckpointer (MaxText), Orbax', 'pytree_stock'),
+    ('PyTreeCheckpointer (MaxText), kd_ckpt.within_budget', 'pytree'),
 )
 
 
@@ -64,7 +68,7 @@ def main(argv=None) -> int:
         if via not in wanted:
           continue
         got = states.run_worker('restore', d, state, str(args.mib * MiB), args.budget, via)
-        base = 'orbax' if via in ('orbax', 'standard') else 'gemma_stock'
+        base = {'standard': 'orbax', 'gemma': 'gemma_stock', 'pytree': 'pytree_stock'}.get(via, via)
         if via == base:
           orbax_secs[base] = got['seconds']
         ratio = (f'{got["seconds"] / orbax_secs[base]:.2f}x' if base in orbax_secs else '-')

@@ -234,6 +234,20 @@ def replace_standard_checkpoint_handler(cls: type) -> type:
   return previous
 
 
+def replace_pytree_checkpoint_handler(cls: type) -> type:
+  """Makes Orbax's `PyTreeCheckpointHandler` resolve to `cls`; returns the one before.
+
+  Orbax's `PyTreeCheckpointer` and `StandardCheckpointHandler` look the name
+  up in its defining module; `kd_ckpt.orbax_scope` swaps it.
+  """
+  mod = importlib.import_module(f'{_O}.handlers.pytree_checkpoint_handler')
+  if not hasattr(mod, 'PyTreeCheckpointHandler'):
+    raise IncompatibleVersionError(_message(
+        'orbax-checkpoint', mod.__name__, 'PyTreeCheckpointHandler', (), 'it is gone'))
+  previous, mod.PyTreeCheckpointHandler = mod.PyTreeCheckpointHandler, cls
+  return previous
+
+
 def is_unlimited(byte_limiter) -> bool:
   return isinstance(byte_limiter, orbax.unlimited_bytes)
 

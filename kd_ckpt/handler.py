@@ -51,6 +51,10 @@ from kd_ckpt import streaming
 from kd_ckpt import text
 from kd_ckpt import tree as tree_lib
 
+# Orbax's own PyTree handler, as imported: inside `kd_ckpt.within_budget` the
+# public name is kd_ckpt's (`orbax_scope`), which hands its restores here.
+ORBAX_PYTREE_HANDLER = ocp.PyTreeCheckpointHandler
+
 # Match `ocp.StandardCheckpointHandler()`: what stock Kauldron writes and
 # what every Orbax reader expects by default.
 USE_OCDBT = True
@@ -158,7 +162,7 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
   typestr = _StockTypestr()
 
   def _pytree_handler(self, array_handler, numpy_handler, **kwargs) -> ocp.PyTreeCheckpointHandler:
-    return ocp.PyTreeCheckpointHandler(
+    return ORBAX_PYTREE_HANDLER(
         use_ocdbt=self._use_ocdbt, use_zarr3=USE_ZARR3, multiprocessing_options=self._mp,
         type_handler_registry=registry(array_handler, numpy_handler),
         **self._tree_kwargs, **kwargs)
@@ -254,14 +258,21 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
   # --- restore -----------------------------------------------------------------
 
   def restore(self, directory, item=None, args=None):
-    """Orbax's StandardRestore, reading every array within the budget."""
+    """Orbax's StandardRestore, reading every array within the budget.
+
+    `args` may also be Orbax's `PyTreeRestore` (its `restore_args`,
+    `transforms` and `partial_restore` are passed on as they are), as
+    `orbax_scope` hands over the restores of Orbax's PyTree handler.
+    """
     if isinstance(item, ocp.args.CheckpointArgs):
       raise ValueError('Pass restore args as `args=`.')
     if args is None:
       args = SafeRestore(item=item)
     # `_METADATA` parsed once: at 10,000 leaves each parse is ~0.1 s.
     params = compat.stored_params(directory)
-    if args.item is not None:
+    # A PyTree restore may ask for part of the tree (`transforms`,
+    # `partial_restore`): Orbax's handler checks it against the checkpoint.
+    if args.item is not None and not isinstance(args, ocp.args.PyTreeRestore):
       _standard_leaves(args.item, restore=True)
       check_structure(directory, args.item, params)
     budget_spec = budget_lib.parse(getattr(args, 'host_ram_budget', None) or self._budget)
@@ -326,18 +337,21 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
                                        keep_opened=args.item is None)
     impl = self._pytree_handler(arrays_lib.KdArrayHandler(read=read),
                                 arrays_lib.KdNumpyHandler(read=read))
-    restore_args = compat.orbax.construct_restore_args(
-        args.item, functools.partial(impl.metadata, directory), args.fallback_sharding,
-        args.support_layout)
-    if not args.strict:
-      restore_args = jax.tree.map(
-          lambda a: dataclasses.replace(a, strict=False) if hasattr(a, 'strict') else a,
-          restore_args)
+    if isinstance(args, ocp.args.PyTreeRestore):
+      tree_args = args  # the caller's restore args and transforms, for Orbax's handler
+    else:
+      restore_args = compat.orbax.construct_restore_args(
+          args.item, functools.partial(impl.metadata, directory), args.fallback_sharding,
+          args.support_layout)
+      if not args.strict:
+        restore_args = jax.tree.map(
+            lambda a: dataclasses.replace(a, strict=False) if hasattr(a, 'strict') else a,
+            restore_args)
+      tree_args = ocp.args.PyTreeRestore(item=args.item, restore_args=restore_args)
     with read.limiter.lease(capacity, mmap_threshold_bytes=hostmem.read_mmap_threshold(
         remote=storage.is_remote(directory), capacity_bytes=capacity)):
       try:
-        out = impl.restore(directory, args=ocp.args.PyTreeRestore(
-            item=args.item, restore_args=restore_args))
+        out = impl.restore(directory, args=tree_args)
       except reading.Priced as priced:
         return priced.budget_bytes
     return budget_bytes if price_only else out

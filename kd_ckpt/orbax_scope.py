@@ -2,24 +2,29 @@
 
 Some code builds its Orbax checkpointer itself: Gemma's pretrained-weights
 loader (`gm.ckpts.LoadCheckpoint`, `gm.ckpts.load_params`) restores through
-`ocp.StandardCheckpointer()`, which reads a stock checkpoint with Orbax's
-reader: the Gemma-like 2.2 GB bench state took 1.4-1.7 GiB of host RAM
-beyond the restored arrays (`bench/results/gb_256mib.md`).  On a host with
-little more RAM than its accelerators, a run can die loading its weights
-before its first checkpoint.
+`ocp.StandardCheckpointer()`, MaxText's `load_params_from_path` through
+`ocp.PyTreeCheckpointer()`, each with Orbax's reader: the Gemma-like 2.2 GB
+bench state took 1.4-1.7 GiB of host RAM beyond the restored arrays
+(`bench/results/gb_256mib.md`).  On a host with little more RAM than its
+accelerators, a run can die loading its weights before its first checkpoint.
 
-`within_budget(host_ram_budget)` makes Orbax build kd_ckpt's
-`SafePyTreeHandler` wherever it would build its `StandardCheckpointHandler`
-(`ocp.StandardCheckpointer()`, `ocp.StandardCheckpointHandler()`), for the
-duration of the block.  Restores there read within the budget and saves
-write within it, in the same format: nothing else changes.  Handlers built
-before the block, and `CheckpointManager`s (which look handlers up by their
-arguments' type), are not affected.
+`within_budget(host_ram_budget)` swaps two of Orbax's names for the duration
+of a block:
+
+  * `StandardCheckpointHandler` (`ocp.StandardCheckpointer()` builds one):
+    kd_ckpt's `SafePyTreeHandler`.  Its restores read within the budget and
+    its saves write within it, in the same format.
+  * `PyTreeCheckpointHandler` (`ocp.PyTreeCheckpointer()`, Orbax's Standard
+    handler and `CheckpointManager`s build them): `PyTreeHandler`, whose
+    restores go to a `SafePyTreeHandler` with the caller's restore args and
+    transforms.  Its saves, and handlers built with a type handler registry of
+    their own, stay Orbax's.
+
+Handlers built before the block keep Orbax's reader.
 
 It changes process-wide names for the block's duration, as a process's
-set-up does (load the weights, then train): other threads that build a
-StandardCheckpointHandler meanwhile get kd_ckpt's too.  Blocks in several
-threads take turns.
+set-up does (load the weights, then train): other threads that build those
+handlers meanwhile get kd_ckpt's too.  Blocks in several threads take turns.
 
 Example:
 
@@ -70,6 +75,32 @@ class StandardHandler(handler_lib.SafePyTreeHandler):
                      pytree_metadata_options=pytree_metadata_options, use_ocdbt=use_ocdbt)
 
 
+class PyTreeHandler(handler_lib.ORBAX_PYTREE_HANDLER):
+  """Orbax's `PyTreeCheckpointHandler` whose restores read through kd_ckpt.
+
+  Built inside a `within_budget` block where Orbax's is asked for (e.g.
+  `ocp.PyTreeCheckpointer()`, `ocp.Checkpointer(ocp.PyTreeCheckpointHandler())`:
+  MaxText's `load_params_from_path`).  A restore goes to a `SafePyTreeHandler`
+  with the block's budget, arguments as given (`restore_args`, `transforms`,
+  `partial_restore`).  Saves stay Orbax's, and so does a handler built with
+  a type handler registry or implementation of its own (kd_ckpt's handlers
+  build theirs so).
+  """
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self._kd_budget, _ = _scopes[-1] if _scopes else ('auto', 'auto')
+    self._kd_reads = not args and not {'type_handler_registry', 'handler_impl'} & set(kwargs)
+    self._kd_kwargs = {k: kwargs[k] for k in ('multiprocessing_options', 'use_ocdbt',
+                                               'pytree_metadata_options') if k in kwargs}
+
+  def restore(self, directory, args=None):
+    if not self._kd_reads or args is None:
+      return super().restore(directory, args=args)
+    safe = handler_lib.SafePyTreeHandler(host_ram_budget=self._kd_budget, **self._kd_kwargs)
+    return safe.restore(directory, args=args)
+
+
 # Orbax's Checkpointer wraps a handler that has no registered arguments in
 # its legacy adapter (which then refuses `StandardRestore`): these register
 # the handler, without taking `StandardSave`/`StandardRestore` from Orbax's own.
@@ -85,6 +116,18 @@ class _Restore(ocp.args.StandardRestore):
   pass
 
 
+@ocp.args.register_with_handler(PyTreeHandler, for_save=True)
+@dataclasses.dataclass
+class _PyTreeSave(ocp.args.PyTreeSave):
+  pass
+
+
+@ocp.args.register_with_handler(PyTreeHandler, for_restore=True)
+@dataclasses.dataclass
+class _PyTreeRestore(ocp.args.PyTreeRestore):
+  pass
+
+
 def handlers_built() -> int:
   """How many handlers Orbax built as kd_ckpt's so far in this process."""
   return _built
@@ -94,10 +137,13 @@ def _install(host_ram_budget: budget_lib.BudgetLike, strategy: str):
   """Makes Orbax build `StandardHandler`; returns what puts Orbax's back."""
   _scopes.append((host_ram_budget, strategy))
   previous = compat.replace_standard_checkpoint_handler(StandardHandler)
-  previous_public, ocp.StandardCheckpointHandler = ocp.StandardCheckpointHandler, StandardHandler
+  previous_tree = compat.replace_pytree_checkpoint_handler(PyTreeHandler)
+  previous_public = ocp.StandardCheckpointHandler, ocp.PyTreeCheckpointHandler
+  ocp.StandardCheckpointHandler, ocp.PyTreeCheckpointHandler = StandardHandler, PyTreeHandler
 
   def uninstall():
-    ocp.StandardCheckpointHandler = previous_public
+    ocp.StandardCheckpointHandler, ocp.PyTreeCheckpointHandler = previous_public
+    compat.replace_pytree_checkpoint_handler(previous_tree)
     compat.replace_standard_checkpoint_handler(previous)
     _scopes.pop()
   return uninstall
@@ -112,7 +158,7 @@ def install_for_process(host_ram_budget: budget_lib.BudgetLike, strategy: str) -
 @contextlib.contextmanager
 def within_budget(host_ram_budget: budget_lib.BudgetLike = 'auto', *,
                   strategy: str = 'auto') -> Iterator[None]:
-  """Orbax's StandardCheckpointer and StandardCheckpointHandler, kd_ckpt's inside the block.
+  """Orbax's Standard and PyTree checkpoint handlers built in the block read through kd_ckpt.
 
   Args:
     host_ram_budget: what a save or restore in the block may add to the

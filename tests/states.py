@@ -649,6 +649,10 @@ def _settle() -> None:
   hostmem.release_free_memory()
 
 
+# `restore` VIAs that load through a checkpointer the caller builds (`_worker`).
+LOADERS = ('standard', 'orbax', 'gemma', 'gemma_stock', 'pytree', 'pytree_stock')
+
+
 def _worker(argv):
   """MODE DIR STATE TOTAL_BYTES [ARGS]: one measured operation, JSON on stdout.
 
@@ -661,9 +665,11 @@ def _worker(argv):
                              of a `ckpt` save; VIA=none: no target;
                              VIA=standard: Orbax's StandardCheckpointer inside
                              kd_ckpt.within_budget, VIA=gemma: Gemma's
-                             gm.ckpts.load_params inside it, VIA=orbax and
-                             gemma_stock: the same without kd_ckpt, the budget
-                             unused); peak and the restored bytes
+                             gm.ckpts.load_params inside it, VIA=pytree: Orbax's
+                             PyTreeCheckpointer inside it (MaxText's loader);
+                             VIA=orbax, gemma_stock and pytree_stock: the same
+                             without kd_ckpt, the budget unused); peak and the
+                             restored bytes
     cold_save STRATEGY BUDGET    kd_ckpt.save as the process's first jit
                              (STATE is ignored: `host_made`)
     cold_restore BUDGET      kd_ckpt.restore, no target, as the first jit
@@ -787,9 +793,9 @@ def _worker(argv):
       with hostmem.PeakRss() as peak:
         back = ckpt.restore(State(params=abstract), step=1, donate=False)
         jax.block_until_ready(back)
-    elif via in ('standard', 'orbax', 'gemma', 'gemma_stock'):
-      # Code that builds its own StandardCheckpointer (a weights loader).
-      scope = (kd_ckpt.within_budget(budget) if via in ('standard', 'gemma')
+    elif via in LOADERS:
+      # Code that builds its own Orbax checkpointer (a weights loader).
+      scope = (kd_ckpt.within_budget(budget) if via in ('standard', 'gemma', 'pytree')
                else contextlib.nullcontext())
       if via.startswith('gemma'):
         from gemma import gm  # pylint: disable=g-import-not-at-top
@@ -803,6 +809,12 @@ def _worker(argv):
             gm.ckpts.load_params(tiny + '/c')
         _settle()
         load = lambda: gm.ckpts.load_params(directory, params=abstract)
+      elif via.startswith('pytree'):
+        # MaxText's `load_params_from_path`: Orbax's PyTree handler, restore args
+        # from the target (only what the target names is read).
+        load = lambda: ocp.PyTreeCheckpointer().restore(
+            directory, item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(
+                abstract))
       else:
         load = lambda: ocp.StandardCheckpointer().restore(directory, abstract)
       with hostmem.PeakRss() as peak:
@@ -821,7 +833,7 @@ def _worker(argv):
         jax.block_until_ready(back)
     out = {'peak_extra_bytes': peak.extra_bytes, 'restored_bytes': resident_bytes(back),
            'budget_bytes': budget_lib.resolve(budget, hostmem.probe())}
-    if via in ('standard', 'orbax', 'gemma', 'gemma_stock'):
+    if via in LOADERS:
       out['seconds'] = seconds
     got = _digests(back.params if via == 'ckpt' else back)
     if got != want:

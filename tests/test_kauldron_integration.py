@@ -231,8 +231,8 @@ def test_both_runs_start_from_the_pretrained_weights(run, request, pretrained):
   log = request.getfixturevalue(f'{run}_run')[1]
   # The safe run's weights came through kd_ckpt (`kd_ckpt.InitWithinBudget`).
   assert (run == 'safe') == bool(re.search(
-      r"kd_ckpt init: SkipLoRA.transform ran with Orbax's StandardCheckpointer inside"
-      r' host_ram_budget=auto: peak extra RSS ', log)), run
+      r'kd_ckpt init: SkipLoRA.transform read through kd_ckpt inside host_ram_budget=auto:'
+      r' peak extra RSS ', log)), run
 
 
 @pytest.fixture(scope='module')

@@ -307,19 +307,21 @@ def test_ranged_reads_from_gcs_hold_the_budget(server, bucket, state, budget, de
 @pytest.mark.slow
 def test_weights_loaded_from_a_bucket_hold_the_budget(server, bucket):
   """A stock Orbax checkpoint in a bucket, loaded by code that builds its own
-  StandardCheckpointer (and by Gemma's loader) inside `kd_ckpt.within_budget`,
-  against the same load with Orbax's reader."""
+  StandardCheckpointer (and by Gemma's loader, and as MaxText's does through a
+  PyTreeCheckpointer) inside `kd_ckpt.within_budget`, against the same load
+  with Orbax's reader."""
   d = f'{bucket}/weights'
   budget = 64 * MiB
   states.run_worker('stock', d, 'mesh2d_prime', str(STATE_BYTES))
   beyond = {}
-  for via in ('standard', 'gemma', 'orbax'):
+  for via in ('standard', 'gemma', 'pytree', 'orbax'):
     r = states.run_worker('restore', d, 'mesh2d_prime', str(STATE_BYTES), str(budget), via)
     beyond[via] = r['peak_extra_bytes'] - r['restored_bytes']
     print(f'gcs weights via {via}: {beyond[via] / MiB:.1f} MiB beyond the arrays in'
           f' {r["seconds"]:.2f} s, budget {budget / MiB:.0f} MiB')
   assert beyond['standard'] <= budget + TOLERANCE, beyond
   assert beyond['gemma'] <= budget + TOLERANCE, beyond
+  assert beyond['pytree'] <= budget + TOLERANCE, beyond
   assert beyond['orbax'] > 2 * budget, beyond  # what the block saves the loader
 
 

@@ -1,10 +1,11 @@
-"""kd_ckpt.within_budget: code that builds its own StandardCheckpointer, inside a budget.
+"""kd_ckpt.within_budget: code that builds its own Orbax checkpointer, inside a budget.
 
 Gemma's weights loader (`gm.ckpts.load_params`, behind `gm.ckpts.LoadCheckpoint`)
-restores through an `ocp.StandardCheckpointer()` of its own.  Inside
-`kd_ckpt.within_budget`, that checkpointer is kd_ckpt's: the restore's peak
+restores through an `ocp.StandardCheckpointer()` of its own, MaxText's
+(`load_params_from_path`) through `ocp.PyTreeCheckpointer()`.  Inside
+`kd_ckpt.within_budget`, those read through kd_ckpt: the restore's peak
 beyond the restored arrays stays within the budget, where Orbax's own reader
-takes several times more; after the block Orbax's handler is back.
+takes several times more; after the block Orbax's handlers are back.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def stock(tmp_path_factory):
   return out
 
 
-@pytest.mark.parametrize('via', ['standard', 'gemma'])
+@pytest.mark.parametrize('via', ['standard', 'gemma', 'pytree'])
 @pytest.mark.parametrize('state', ['mesh2d_prime', 'many_medium', 'prime_rep'])
 def test_a_loaders_own_checkpointer_reads_within_the_budget(stock, state, via):
   """Fresh processes; values checked bit-exact by the worker."""
@@ -79,6 +80,34 @@ def test_inside_the_block_kd_ckpt_refuses_a_budget_and_after_it_orbax_restores(t
     np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(tree[k]))
 
 
+def test_a_pytree_loader_reads_part_of_a_checkpoint_inside_the_block(tmp_path):
+  """MaxText's `load_params_from_path`: the params of a full training state,
+  through Orbax's PyTreeCheckpointer with `transforms={}`; the same values
+  and shardings as Orbax's own restore, and refused below the budget."""
+  params = _tree()
+  full = {'params': params, 'opt_state': {'mu': _tree()}, 'step': 7}
+  ocp.PyTreeCheckpointer().save(tmp_path / 'c', full)
+  target = states.abstract_of(params)
+
+  def load():
+    return ocp.PyTreeCheckpointer().restore(
+        tmp_path / 'c', item={'params': target}, transforms={},
+        restore_args={'params': ocp.checkpoint_utils.construct_restore_args(target)})['params']
+
+  want = load()
+  with kd_ckpt.within_budget('64MiB'):
+    got = load()
+    with pytest.raises(kd_ckpt.BudgetTooSmallError, match="Raise host_ram_budget to '"):
+      with kd_ckpt.within_budget('1MiB'):
+        load()
+    assert ocp.PyTreeCheckpointHandler is orbax_scope.PyTreeHandler
+  assert ocp.PyTreeCheckpointHandler is not orbax_scope.PyTreeHandler
+  assert sorted(got) == sorted(params)
+  for k in params:
+    assert got[k].sharding == want[k].sharding
+    np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
+
+
 def test_a_save_inside_the_block_is_a_stock_checkpoint(tmp_path):
   tree = _tree()
   with kd_ckpt.within_budget('64MiB', strategy='streaming'):
@@ -112,6 +141,7 @@ def test_an_error_in_the_block_puts_orbax_back_and_blocks_nest(tmp_path):
       assert orbax_scope._scopes[-1][0] == '64MiB'  # pylint: disable=protected-access
       raise KeyError('in the block')
   assert ocp.StandardCheckpointHandler is stock_cls
+  assert ocp.PyTreeCheckpointHandler is not orbax_scope.PyTreeHandler
   assert not orbax_scope._scopes  # pylint: disable=protected-access
 
 
@@ -146,8 +176,8 @@ def test_init_within_budget_runs_the_wrapped_loader_inside_the_block(tmp_path, c
       wrapped=Load(), host_ram_budget='64MiB').transform_after_optimizer(target) is target
   lines = [r.getMessage() for r in caplog.records if 'kd_ckpt init' in r.getMessage()]
   assert len(lines) == 1 and lines[0].startswith(
-      "kd_ckpt init: Load.transform ran with Orbax's StandardCheckpointer inside"
-      ' host_ram_budget=64MiB: peak extra RSS '), lines
+      'kd_ckpt init: Load.transform read through kd_ckpt inside host_ram_budget=64MiB:'
+      ' peak extra RSS '), lines
   with pytest.raises(kd_ckpt.BudgetTooSmallError):  # the budget binds the loader's reads
     kd_ckpt_kauldron.InitWithinBudget(wrapped=Load(), host_ram_budget='1MiB').transform(target)
   assert ocp.StandardCheckpointHandler is not orbax_scope.StandardHandler

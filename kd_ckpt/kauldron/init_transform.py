@@ -4,7 +4,8 @@ A LoRA run loads its pretrained weights before it trains, through the loader
 the config names (`gm.ckpts.LoadCheckpoint`), which reads the checkpoint with
 a `StandardCheckpointer` of its own.  Wrapped here, that loader's reads go
 through kd_ckpt's reader, inside `host_ram_budget`
-(`kd_ckpt.within_budget`); what it loads, and how, is unchanged.
+(`kd_ckpt.within_budget`: Orbax's Standard and PyTree handlers); what it
+loads, and how, is unchanged.
 
 In a config:
 
@@ -36,7 +37,7 @@ _StateT = TypeVar('_StateT')
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class InitWithinBudget(kd.ckpts.InitTransform):
-  """Runs `wrapped`'s transforms with Orbax's StandardCheckpointer inside a budget.
+  """Runs `wrapped`'s transforms with Orbax's checkpointers reading inside a budget.
 
   Attributes:
     wrapped: the init transform to run (e.g. `gm.ckpts.LoadCheckpoint`, or
@@ -66,8 +67,8 @@ class InitWithinBudget(kd.ckpts.InitTransform):
       return state  # Nothing was read through Orbax (e.g. no optimizer state to load).
     # The loaded arrays count in the peak (host RAM on the CPU backend), the
     # budget is what the reads may add beside them.
-    logging.info('kd_ckpt init: %s.%s ran with Orbax\'s StandardCheckpointer inside'
-                 ' host_ram_budget=%s: peak extra RSS %s, the loaded arrays included',
+    logging.info('kd_ckpt init: %s.%s read through kd_ckpt inside host_ram_budget=%s:'
+                 ' peak extra RSS %s, the loaded arrays included',
                  type(self.wrapped).__name__, fn.__name__, self.host_ram_budget,
                  text.format_bytes(peak.extra_bytes))
     return state
