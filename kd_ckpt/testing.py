@@ -3,8 +3,9 @@
 `install_orbax_peer(strategy)` makes every Orbax PyTree save and restore in
 this process go through kd_ckpt: its `jax.Array` and `np.ndarray` type
 handlers replace Orbax's in the global registry, and
-`StandardCheckpointHandler` resolves to `SafePyTreeHandler`
-(`orbax_scope.StandardHandler`, for the rest of the process).  It is how
+`StandardCheckpointHandler` and `PyTreeCheckpointHandler` resolve to
+kd_ckpt's (`orbax_scope`, as inside `kd_ckpt.within_budget`, for the rest of
+the process).  It is how
 `make test-orbax-peer` runs Orbax's own handler test suites against kd_ckpt
 (`tools/orbax_peer.py`); it changes process-wide state, so call it only in a
 process made for that.
