@@ -49,9 +49,18 @@ from kd_ckpt import handler as handler_lib
 from kd_ckpt import plan as plan_lib
 
 _lock = threading.RLock()
-# The innermost block's (budget, strategy): what `StandardHandler` is built with.
+# The innermost block's (budget, strategy): what the handlers are built with.
 _scopes: list[tuple[budget_lib.BudgetLike, str]] = []
-_built = 0  # StandardHandlers built so far in this process (`handlers_built`)
+# Restores read through kd_ckpt's handlers here so far (`restores_read`),
+# under a lock of its own: a block's thread holds `_lock` while it waits.
+_reads = 0
+_reads_lock = threading.Lock()
+
+
+def _count_read() -> None:
+  global _reads
+  with _reads_lock:
+    _reads += 1
 
 
 class StandardHandler(handler_lib.SafePyTreeHandler):
@@ -67,12 +76,14 @@ class StandardHandler(handler_lib.SafePyTreeHandler):
                    ocp.options.MultiprocessingOptions()),
                pytree_metadata_options=None, use_ocdbt: bool = True):
     del save_concurrent_gb, restore_concurrent_gb  # kd_ckpt bounds memory itself
-    global _built
-    _built += 1
     budget, strategy = _scopes[-1] if _scopes else ('auto', 'auto')
     super().__init__(host_ram_budget=budget, strategy=strategy,
                      multiprocessing_options=multiprocessing_options,
                      pytree_metadata_options=pytree_metadata_options, use_ocdbt=use_ocdbt)
+
+  def restore(self, directory, item=None, args=None):
+    _count_read()
+    return super().restore(directory, item=item, args=args)
 
 
 class PyTreeHandler(handler_lib.ORBAX_PYTREE_HANDLER):
@@ -97,6 +108,7 @@ class PyTreeHandler(handler_lib.ORBAX_PYTREE_HANDLER):
   def restore(self, directory, args=None):
     if not self._kd_reads or args is None:
       return super().restore(directory, args=args)
+    _count_read()
     safe = handler_lib.SafePyTreeHandler(host_ram_budget=self._kd_budget, **self._kd_kwargs)
     return safe.restore(directory, args=args)
 
@@ -128,13 +140,13 @@ class _PyTreeRestore(ocp.args.PyTreeRestore):
   pass
 
 
-def handlers_built() -> int:
-  """How many handlers Orbax built as kd_ckpt's so far in this process."""
-  return _built
+def restores_read() -> int:
+  """How many restores read through these handlers so far in this process."""
+  return _reads
 
 
 def _install(host_ram_budget: budget_lib.BudgetLike, strategy: str):
-  """Makes Orbax build `StandardHandler`; returns what puts Orbax's back."""
+  """Makes Orbax build `StandardHandler` and `PyTreeHandler`; returns what puts Orbax's back."""
   _scopes.append((host_ram_budget, strategy))
   previous = compat.replace_standard_checkpoint_handler(StandardHandler)
   previous_tree = compat.replace_pytree_checkpoint_handler(PyTreeHandler)

@@ -166,16 +166,26 @@ def test_init_within_budget_runs_the_wrapped_loader_inside_the_block(tmp_path, c
     def transform(self, state):
       return ocp.StandardCheckpointer().restore(tmp_path / 'c', state)
 
+  class LoadTree(kd.ckpts.InitTransform):
+    """The same through a PyTreeCheckpointer, as MaxText's loader does."""
+
+    def transform(self, state):
+      return ocp.PyTreeCheckpointer().restore(
+          tmp_path / 'c', item=state,
+          restore_args=ocp.checkpoint_utils.construct_restore_args(state))
+
   caplog.set_level('INFO')
-  back = kd_ckpt_kauldron.InitWithinBudget(wrapped=Load(), host_ram_budget='64MiB').transform(
-      target)
-  for k in tree:
-    np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(tree[k]))
+  for loader in (Load(), LoadTree()):
+    back = kd_ckpt_kauldron.InitWithinBudget(wrapped=loader, host_ram_budget='64MiB').transform(
+        target)
+    for k in tree:
+      np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(tree[k]))
   # Nothing loaded after the optimizer: no line for it.
   assert kd_ckpt_kauldron.InitWithinBudget(
       wrapped=Load(), host_ram_budget='64MiB').transform_after_optimizer(target) is target
   lines = [r.getMessage() for r in caplog.records if 'kd_ckpt init' in r.getMessage()]
-  assert len(lines) == 1 and lines[0].startswith(
+  assert len(lines) == 2 and 'LoadTree.transform read through kd_ckpt' in lines[1], lines
+  assert lines[0].startswith(
       'kd_ckpt init: Load.transform read through kd_ckpt inside host_ram_budget=64MiB:'
       ' peak extra RSS '), lines
   with pytest.raises(kd_ckpt.BudgetTooSmallError):  # the budget binds the loader's reads

@@ -60,10 +60,10 @@ class InitWithinBudget(kd.ckpts.InitTransform):
     return self._run(self.wrapped.transform_after_optimizer, state)
 
   def _run(self, fn, state: _StateT) -> _StateT:
-    built = orbax_scope.handlers_built()
+    reads = orbax_scope.restores_read()
     with hostmem.PeakRss() as peak, orbax_scope.within_budget(self.host_ram_budget):
       state = fn(state)
-    if orbax_scope.handlers_built() == built:
+    if orbax_scope.restores_read() == reads:
       return state  # Nothing was read through Orbax (e.g. no optimizer state to load).
     # The loaded arrays count in the peak (host RAM on the CPU backend), the
     # budget is what the reads may add beside them.
