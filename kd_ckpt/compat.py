@@ -226,12 +226,7 @@ def replace_standard_checkpoint_handler(cls: type) -> type:
   Orbax's `StandardCheckpointer` (and its test utilities, when imported)
   look the name up in its defining module; `kd_ckpt.orbax_scope` swaps it.
   """
-  mod = importlib.import_module(f'{_O}.handlers.standard_checkpoint_handler')
-  if not hasattr(mod, 'StandardCheckpointHandler'):
-    raise IncompatibleVersionError(_message(
-        'orbax-checkpoint', mod.__name__, 'StandardCheckpointHandler', (), 'it is gone'))
-  previous, mod.StandardCheckpointHandler = mod.StandardCheckpointHandler, cls
-  return previous
+  return _replace_handler('standard_checkpoint_handler', 'StandardCheckpointHandler', cls)
 
 
 def replace_pytree_checkpoint_handler(cls: type) -> type:
@@ -240,11 +235,16 @@ def replace_pytree_checkpoint_handler(cls: type) -> type:
   Orbax's `PyTreeCheckpointer` and `StandardCheckpointHandler` look the name
   up in its defining module; `kd_ckpt.orbax_scope` swaps it.
   """
-  mod = importlib.import_module(f'{_O}.handlers.pytree_checkpoint_handler')
-  if not hasattr(mod, 'PyTreeCheckpointHandler'):
+  return _replace_handler('pytree_checkpoint_handler', 'PyTreeCheckpointHandler', cls)
+
+
+def _replace_handler(module: str, name: str, cls: type) -> type:
+  mod = importlib.import_module(f'{_O}.handlers.{module}')
+  if not hasattr(mod, name):
     raise IncompatibleVersionError(_message(
-        'orbax-checkpoint', mod.__name__, 'PyTreeCheckpointHandler', (), 'it is gone'))
-  previous, mod.PyTreeCheckpointHandler = mod.PyTreeCheckpointHandler, cls
+        'orbax-checkpoint', mod.__name__, name, (), 'it is gone'))
+  previous = getattr(mod, name)
+  setattr(mod, name, cls)
   return previous
 
 
