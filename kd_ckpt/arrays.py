@@ -112,7 +112,8 @@ class SaveContext:
 
 def read_context_for(capacity_bytes: int, num_leaves: int = 0, *, budget_bytes: int = 0,
                      startup_bytes: int = 0, price_only: bool = False,
-                     keep_opened: bool = False) -> reading.ReadContext:
+                     keep_opened: bool = False,
+                     compiler_pending: bool = False) -> reading.ReadContext:
   """A restore's reads: pieces sized to what the leaves' bookkeeping leaves.
 
   `budget_bytes`, `startup_bytes`: the budget behind `capacity_bytes` and
@@ -120,12 +121,15 @@ def read_context_for(capacity_bytes: int, num_leaves: int = 0, *, budget_bytes: 
   `price_only`: read nothing, raise `reading.Priced` (`ReadContext`).
   `keep_opened`: the leaves a handler opens for their metadata are kept
   for the read (a context of one restore only).
+  `compiler_pending`: XLA's compiler start-up is left to the fill, which
+  pays it only if it compiles (`reading._pay_compiler`).
   """
   pieces = capacity_bytes - cost.leaves_charge(num_leaves)
   return reading.ReadContext(limiter_lib.process_limiter(), capacity_bytes,
                              cost.restore_piece_bytes(pieces), pieces,
                              budget_bytes=budget_bytes, startup_bytes=startup_bytes,
-                             price_only=price_only, opened={} if keep_opened else None)
+                             price_only=price_only, opened={} if keep_opened else None,
+                             compiler_pending=compiler_pending)
 
 
 # A leaf this process holds at least this many bytes of, all zero (an

@@ -283,13 +283,15 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     # Only jax.Array leaves are placed on devices (programs); a checkpoint of
     # numpy arrays and scalars restores without compiling.
     arrays = any(t == 'jax.Array' for _, t in params)
-    # Paid lazily instead, only where a read compiles (b6ddee7: a cold restore
-    # of 20 small leaves took 0.05 s and 16 MiB against 0.13-0.16 s and 66-69
-    # MiB), a CI run of `test_zero_leaves_are_stored_compressed_inside_the_budget`
-    # stalled at 48 MiB (300 s waiting for 3 MiB), perhaps because the
-    # start-up's RSS, measured amid the read, counted other threads' memory.
-    # Reverted: up front, nothing else of the restore runs while it is measured.
-    compiler_bytes = startup.start_compiler() if arrays else 0
+    # A local restore of jax.Array leaves and scalars leaves it to its fill,
+    # which pays it only if it compiles (`reading._pay_compiler`): nothing
+    # else of the restore reads then, so the RSS measured is the start-up's.
+    # Paid lazily wherever a read compiled, numpy leaves read beside it
+    # (b6ddee7), a CI run stalled at 48 MiB (300 s waiting for 3 MiB): the
+    # numpy reads were sized for the room before the start-up took its share.
+    defer = arrays and not storage.is_remote(directory) and not any(
+        t == 'np.ndarray' for _, t in params)
+    compiler_bytes = startup.start_compiler() if arrays and not defer else 0
     # Likewise a first touch of a bucket (`kd_ckpt.restore` starts the clients
     # before it looks for the checkpoint, and says what that took).
     storage_bytes = getattr(args, 'storage_startup_bytes', 0) + startup.start_storage(directory)
@@ -303,7 +305,8 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
         # states refused at 16 MiB (seeds 0-13, saved by stock Orbax, on devices
         # that share and that copy, onto the saved layouts and others).  Priced
         # there instead: leaves opened, programs counted, nothing read.
-        named = self._read(directory, args, named, startup_bytes, num_leaves, price_only=True)
+        named = self._read(directory, args, named, startup_bytes, num_leaves, price_only=True,
+                           compiler_pending=defer)
       raise plan_lib.BudgetTooSmallError(
           f'host_ram_budget={budget_spec.text} ({text.format_bytes(budget_bytes)}) is'
           f' below the smallest budget a restore of this checkpoint can honour,'
@@ -323,18 +326,20 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
              ' (the first gs:// access of this process: gcsfs, TensorStore\'s HTTP'
              ' transport); a process that has touched the bucket before does not.'
              if storage_bytes else ''))
-    out = self._read(directory, args, budget_bytes, startup_bytes, num_leaves)
+    out = self._read(directory, args, budget_bytes, startup_bytes, num_leaves,
+                     compiler_pending=defer)
     hostmem.release_free_memory()
     return out
 
   def _read(self, directory, args, budget_bytes: int, startup_bytes: int, num_leaves: int,
-            price_only: bool = False):
+            price_only: bool = False, compiler_pending: bool = False):
     """The restore at `budget_bytes`; with `price_only`, the least budget
     (at least `budget_bytes`) its pieces and programs fit in, nothing read."""
     capacity = cost.limiter_capacity(budget_bytes) - startup_bytes
     read = arrays_lib.read_context_for(capacity, num_leaves, budget_bytes=budget_bytes,
                                        startup_bytes=startup_bytes, price_only=price_only,
-                                       keep_opened=args.item is None)
+                                       keep_opened=args.item is None,
+                                       compiler_pending=compiler_pending)
     impl = self._pytree_handler(arrays_lib.KdArrayHandler(read=read),
                                 arrays_lib.KdNumpyHandler(read=read))
     if isinstance(args, ocp.args.PyTreeRestore):

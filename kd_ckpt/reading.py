@@ -64,6 +64,7 @@ from kd_ckpt import limiter as limiter_lib
 from kd_ckpt import plan as plan_lib
 from kd_ckpt import readahead
 from kd_ckpt import slicing
+from kd_ckpt import startup
 from kd_ckpt import storage
 from kd_ckpt import text
 
@@ -93,6 +94,11 @@ class ReadContext:
   # Shards filled in place may cut their last piece short (`_partial_tiles`),
   # unless the programs that takes do not fit (`_admit_programs`).
   partial_tiles: bool = True
+  # XLA's compiler may not have started in this process: a fill that
+  # compiles placement programs starts it first (`_pay_compiler`).
+  compiler_pending: bool = False
+  # What that start-up took, named in refusals (part of `startup_bytes`).
+  compiler_bytes: int = 0
   # The restore's host_ram_budget (0: not known), named in refusals: raising
   # it raises `pieces_capacity_bytes` byte for byte.
   budget_bytes: int = 0
@@ -1551,8 +1557,12 @@ def _admit_programs(ctx: ReadContext, leaves) -> tuple[ReadContext, set]:
       f'This restore fills shards too big for its pieces on their devices,'
       f' compiling {admitted} programs that XLA keeps'
       f' ({text.format_bytes(charge)} of host RAM), and the budget leaves'
-      f' {text.format_bytes(ctx.pieces_capacity_bytes)} for them and the pieces'
-      f' read: {_raise_to(ctx, _least_budget(ctx, leaves))}')
+      f' {text.format_bytes(max(ctx.pieces_capacity_bytes, 0))} for them and the pieces'
+      f' read: {_raise_to(ctx, _least_budget(ctx, leaves))}'
+      + (f' This restore first paid {text.format_bytes(ctx.compiler_bytes)} for XLA\'s'
+         ' compiler start-up (the first compile of the ops kd_ckpt uses in this'
+         ' process): a process that has compiled a training step pays under 1 MiB of it.'
+         if ctx.compiler_bytes else ''))
 
 
 def _admit(ctx: ReadContext, leaves) -> tuple[ReadContext, set] | int:
@@ -1573,6 +1583,44 @@ def _admit(ctx: ReadContext, leaves) -> tuple[ReadContext, set] | int:
     if piece >= read.piece_bytes:
       return read, new
     read = dataclasses.replace(read, piece_bytes=piece)
+
+
+def _compiles(plan, ctx: ReadContext) -> bool:
+  """Whether the fill `plan(ctx)` -> (parts, read, programs) compiles placement programs.
+
+  A plan refused for its programs compiles too: its refusal must name a
+  budget that holds the compiler's start-up.
+  """
+  try:
+    return bool(plan(ctx)[2])
+  except plan_lib.BudgetTooSmallError:
+    return True
+
+
+def _pay_compiler(ctx: ReadContext, held: contextlib.ExitStack | None) -> ReadContext:
+  """Starts XLA's compiler (if this process has not); returns `ctx` less
+  what that took, which `held` holds for the rest of the fill.
+
+  Called where a local restore's fill first knows it compiles, before it
+  holds any piece: the handler defers the start-up here only where no other
+  read of the restore runs beside the fill (no numpy leaves; its small
+  leaves are read before), so the RSS the start-up adds is its own.  A
+  fresh process restoring leaves it places whole, or shard by shard,
+  compiles nothing and pays nothing: `mesh2d_prime` loaded in 0.43-0.48 s
+  where Orbax took 0.24-0.25 s, 0.2 s of it the start-up
+  (`bench/load_weights.py`), and the start-up's ~55 MiB left 9 of a 64 MiB
+  budget to the pieces.
+  """
+  paid = startup.start_compiler()
+  pieces = ctx.pieces_capacity_bytes - paid
+  if held is not None and paid and pieces > 0:
+    # Its RSS stays (jaxlib's code pages, mostly): held until the fill ends.
+    held.enter_context(ctx.limiter.hold_sync(paid))
+  return dataclasses.replace(
+      ctx, compiler_pending=False, compiler_bytes=ctx.compiler_bytes + paid,
+      startup_bytes=ctx.startup_bytes + paid, capacity_bytes=ctx.capacity_bytes - paid,
+      pieces_capacity_bytes=pieces,
+      piece_bytes=min(ctx.piece_bytes, cost.restore_piece_bytes(max(pieces, 1))))
 
 
 def _least_budget(ctx: ReadContext, leaves, from_bytes: int = cost.MiB
@@ -1978,19 +2026,22 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
     return [(shape, dtype, itemsize, _stored_chunk(t), sharding, _zstd_chunks(t))
             for _, _, t, _, shape, dtype, sharding, itemsize in leaves]
 
-  def fill_all(leaves):
-    reserves = [_orbax_reservation(info.byte_limiter, loop, ctx.capacity_bytes)
-                for info, *_ in leaves]
+  def reserves_of(leaves):
+    return [_orbax_reservation(info.byte_limiter, loop, ctx.capacity_bytes)
+            for info, *_ in leaves]
+
+  def plan(fctx, leaves, reserves):
+    """(parts, read context, new programs) of the fill of `leaves` at `fctx`."""
     parts = 1 if remote or any(r is not None for r in reserves) else max(1, min(
-        MAX_LEAF_PARTS, len(leaves), ctx.pieces_capacity_bytes // MIN_PART_BYTES))
+        MAX_LEAF_PARTS, len(leaves), fctx.pieces_capacity_bytes // MIN_PART_BYTES))
 
     def sized(parts):
       # Each part's pieces are sized to its share of the room (programs are
       # held for all of them once, below).
       share = dataclasses.replace(
-          ctx, pieces_capacity_bytes=ctx.pieces_capacity_bytes // parts,
-          piece_bytes=min(ctx.piece_bytes,
-                          cost.restore_piece_bytes(ctx.pieces_capacity_bytes // parts)))
+          fctx, pieces_capacity_bytes=fctx.pieces_capacity_bytes // parts,
+          piece_bytes=min(fctx.piece_bytes,
+                          cost.restore_piece_bytes(fctx.pieces_capacity_bytes // parts)))
       return _admit_programs(share, admitted(leaves))
 
     try:
@@ -2004,6 +2055,13 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
     if parts > 1 and not _parts_can_read(leaves, read.piece_bytes, read.opened_secs):
       parts = 1
       read, programs = sized(1)
+    return parts, read, programs
+
+  def fill_all(leaves, fctx):
+    reserves = reserves_of(leaves)
+    return fill_planned(leaves, reserves, fctx, *plan(fctx, leaves, reserves))
+
+  def fill_planned(leaves, reserves, fctx, parts, read, programs):
     # The programs are held from the same limiter: what a leaf may take
     # beside them (`_by_shard_tasks`' room) is what they leave.  Counted in
     # full, a resharded bf16 leaf on devices that copy asked for 6.2 MiB
@@ -2041,17 +2099,17 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
       # MiB peaked 190-275 MiB beyond its arrays, 27 MiB with this).
       hostmem.release_free_memory()
 
-    with ctx.limiter.hold_sync(cost.programs_charge(len(programs))):
+    with fctx.limiter.hold_sync(cost.programs_charge(len(programs))):
       if parts > 1:
         _fill_in_parts(fill, len(leaves), parts, read,
-                       (ctx.pieces_capacity_bytes - cost.programs_charge(len(programs))) // parts,
+                       (fctx.pieces_capacity_bytes - cost.programs_charge(len(programs))) // parts,
                        max(1, lanes // parts))
         return out
       side = set()
       if remote:
         side = {j for j, (info, arg, t, kv, shape, dtype, sharding, _) in enumerate(leaves)
                 if _side_by_side(t, read, shape, dtype, sharding,
-                                 _orbax_reservation(info.byte_limiter, loop, ctx.capacity_bytes),
+                                 _orbax_reservation(info.byte_limiter, loop, fctx.capacity_bytes),
                                  ranged_kv(kv) if kv is not None else None)}
       for j in range(len(leaves)):
         if j not in side:
@@ -2108,7 +2166,11 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
       if ctx.price_only:  # nothing is read
         least = ctx.budget_bytes
         if rest:  # as one part (where parts do not fit, `fill_all` falls back to one)
-          found = _least_budget(ctx, admitted(leaves), from_bytes=0)
+          pctx = ctx
+          if ctx.compiler_pending and _compiles(
+              lambda c: (1, *_admit_programs(c, admitted(leaves))), ctx):
+            pctx = _pay_compiler(ctx, None)  # the price holds it
+          found = _least_budget(pctx, admitted(leaves), from_bytes=0)
           least = found[0] if found else ctx.budget_bytes + 1024 * cost.MiB
         raise Priced(least)
 
@@ -2153,8 +2215,17 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
       if not remote:
         await asyncio.gather(*batches)
         batches = []
-      filled, *_ = await asyncio.gather(
-          asyncio.to_thread(fill_all, leaves) if rest else asyncio.sleep(0, []), *batches)
+      with contextlib.ExitStack() as compiler_held:
+        fill_ctx = ctx
+        if rest and ctx.compiler_pending and not batches and _compiles(
+            lambda c: plan(c, leaves, reserves_of(leaves)), ctx):
+          # Here, in the thread that runs Orbax's event loop (the caller's),
+          # not in the fill's: started from a reader thread, whose malloc
+          # arena is new, the same start-up measured 2-4 MiB more.
+          fill_ctx = _pay_compiler(ctx, compiler_held)
+        filled, *_ = await asyncio.gather(
+            asyncio.to_thread(fill_all, leaves, fill_ctx) if rest else asyncio.sleep(0, []),
+            *batches)
       del leaves
   for i, arr in zip(rest, filled):
     out[i] = arr

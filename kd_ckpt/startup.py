@@ -8,7 +8,10 @@ of those ops add under 1 MiB.  A training process has paid this long before
 its first save.  A process whose first jit is a kd_ckpt save or restore (a
 fresh restore script, an eval job, a CLI) pays it inside that call, and so
 inside its budget: `start_compiler()` pays it up front, before any buffer
-exists, and the call's limiter admits that much less.
+exists, and the call's limiter admits that much less.  A restore from a
+local disk calls it only once its fill knows it compiles (shards filled on
+their devices, `reading._pay_compiler`): one that places every shard whole
+compiles nothing and pays nothing.
 
 The first touch of a `gs://` path is the same kind of cost: etils.epath
 imports gcsfs (aiohttp, google-auth, google-cloud-storage) and TensorStore

@@ -653,6 +653,31 @@ def _settle() -> None:
 LOADERS = ('standard', 'orbax', 'gemma', 'gemma_stock', 'pytree', 'pytree_stock')
 
 
+def _count_unpaid_compiles(startup) -> list[int]:
+  """[n]: XLA compiles from here on that ran before kd_ckpt paid the start-up
+  (`startup.start_compiler`, its own compile excepted): 0 unless a compile
+  escaped the budget's accounting."""
+  import jax.monitoring  # pylint: disable=g-import-not-at-top
+  unpaid, inside, start = [0], [False], startup.start_compiler
+
+  def start_compiler():
+    inside[0] = True
+    try:
+      return start()
+    finally:
+      inside[0] = False
+
+  startup.start_compiler = start_compiler
+
+  def listen(event, *unused_args, **unused_kwargs):
+    if event == '/jax/core/compile/backend_compile_duration' and not (
+        startup._started or inside[0]):  # pylint: disable=protected-access
+      unpaid[0] += 1
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  return unpaid
+
+
 def _worker(argv):
   """MODE DIR STATE TOTAL_BYTES [ARGS]: one measured operation, JSON on stdout.
 
@@ -703,6 +728,7 @@ def _worker(argv):
           out['error'] = str(e)
     else:
       assert not startup._started  # pylint: disable=protected-access
+      unpaid = _count_unpaid_compiles(startup)
       _settle()
       with hostmem.PeakRss() as peak:
         try:
@@ -713,6 +739,8 @@ def _worker(argv):
           out['error'] = str(e)
     out['measured_peak_extra_bytes'] = peak.extra_bytes
     out['compiled'] = startup._started  # pylint: disable=protected-access
+    if mode == 'cold_restore':
+      out['unpaid_compiles'] = unpaid[0]
     print(json.dumps(out))
     return
   tree = make_state(state, total)
