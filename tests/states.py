@@ -697,7 +697,8 @@ def _worker(argv):
                              restored bytes
     cold_save STRATEGY BUDGET    kd_ckpt.save as the process's first jit
                              (STATE is ignored: `host_made`)
-    cold_restore BUDGET      kd_ckpt.restore, no target, as the first jit
+    cold_restore BUDGET [orbax]  kd_ckpt.restore, no target, as the first jit
+                             (orbax: Orbax's StandardCheckpointer instead)
   """
   import kd_ckpt  # pylint: disable=g-import-not-at-top
   from kd_ckpt import budget as budget_lib  # pylint: disable=g-import-not-at-top
@@ -731,9 +732,14 @@ def _worker(argv):
       unpaid = _count_unpaid_compiles(startup)
       _settle()
       with hostmem.PeakRss() as peak:
+        start = time.monotonic()
         try:
-          back = kd_ckpt.restore(directory, host_ram_budget=as_budget(argv[4]))
+          if argv[5:] == ['orbax']:  # Orbax's own restore, for comparison
+            back = ocp.StandardCheckpointer().restore(directory)
+          else:
+            back = kd_ckpt.restore(directory, host_ram_budget=as_budget(argv[4]))
           jax.block_until_ready(back)
+          out['seconds'] = time.monotonic() - start
           out['restored_bytes'] = resident_bytes(back)
         except kd_ckpt.BudgetTooSmallError as e:
           out['error'] = str(e)

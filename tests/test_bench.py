@@ -619,6 +619,23 @@ def test_load_weights_smoke(tmp_path):
   assert float(rows[1][5].split()[0]) <= 64 + 8, rows  # the budget, + the tests' tolerance
 
 
+def test_cold_restore_smoke(tmp_path):
+  """bench/cold_restore.py: one state, Orbax's restore and kd_ckpt's, a row
+  each; kd_ckpt's peak within the budget, and on a state it places shard by
+  shard, no compiler start-up."""
+  out = tmp_path / 'c.md'
+  proc = subprocess.run(
+      [sys.executable, str(BENCH / 'cold_restore.py'), '--states', 'mesh2d_prime',
+       '--mib', '32', '--budget', '64MiB', '--reps', '1', '--out', str(out)],
+      capture_output=True, text=True, timeout=900, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = [l.split('|') for l in out.read_text().splitlines() if l.startswith('| mesh2d_prime')]
+  assert [r[2].strip() for r in rows] == ['Orbax StandardCheckpointer', 'kd_ckpt.restore'], rows
+  assert rows[0][4].strip() == '1.00x' and rows[1][4].strip().endswith('x')
+  assert float(rows[1][5].split(' to ')[-1].split()[0]) <= 64 + 8, rows  # budget + tolerance
+  assert rows[1][6].strip() == 'no', rows
+
+
 def test_profile_save_times_every_part(tmp_path):
   """bench/profile_save.py at 64 MiB: every part timed, in one table, nothing left behind."""
   proc = subprocess.run(
