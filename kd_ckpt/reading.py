@@ -1597,9 +1597,14 @@ def _compiles(plan, ctx: ReadContext) -> bool:
     return True
 
 
-def _pay_compiler(ctx: ReadContext, held: contextlib.ExitStack | None) -> ReadContext:
+def _custom_layout(sharding) -> bool:
+  """Whether a target names a device-local layout (a `Format`, not a plain sharding)."""
+  return sharding is not None and _split_format(sharding)[1] is not None
+
+
+def _pay_compiler(ctx: ReadContext, held: contextlib.AsyncExitStack | None) -> ReadContext:
   """Starts XLA's compiler (if this process has not); returns `ctx` less
-  what that took, which `held` holds for the rest of the fill.
+  what that took, which `held` holds for the rest of the read.
 
   Called where a local restore's fill first knows it compiles, before it
   holds any piece: the handler defers the start-up here only where no other
@@ -1614,8 +1619,9 @@ def _pay_compiler(ctx: ReadContext, held: contextlib.ExitStack | None) -> ReadCo
   paid = startup.start_compiler()
   pieces = ctx.pieces_capacity_bytes - paid
   if held is not None and paid and pieces > 0:
-    # Its RSS stays (jaxlib's code pages, mostly): held until the fill ends.
-    held.enter_context(ctx.limiter.hold_sync(paid))
+    # Its RSS stays (jaxlib's code pages, mostly): held until the read ends.
+    ctx.limiter.acquire(paid)  # fits: only the leaves' bookkeeping is held
+    held.callback(ctx.limiter.release, paid)
   return dataclasses.replace(
       ctx, compiler_pending=False, compiler_bytes=ctx.compiler_bytes + paid,
       startup_bytes=ctx.startup_bytes + paid, capacity_bytes=ctx.capacity_bytes - paid,
@@ -2123,8 +2129,14 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
   # leaves' bookkeeping (specs, open TensorStores, results) is admitted first.
   with ctx.limiter.lease(ctx.capacity_bytes, mmap_threshold_bytes=hostmem.read_mmap_threshold(
       remote=storage.is_remote(infos[0].parent_dir), capacity_bytes=ctx.capacity_bytes)):
-    async with ctx.limiter.hold(cost.leaves_charge(len(infos))):
+    async with ctx.limiter.hold(cost.leaves_charge(len(infos))), \
+        contextlib.AsyncExitStack() as compiler_held:
       remote = storage.is_remote(parent)
+      if ctx.compiler_pending and any(_custom_layout(spec_of(i)[2]) for i in range(len(infos))):
+        # Placed onto a custom layout, a leaf compiles a relayout however it
+        # is read (a device_put onto a `Format` compiled one program here):
+        # the start-up first, before anything is read.
+        ctx = _pay_compiler(ctx, compiler_held)
 
       def whole_ok(i, shape, sharding):
         return (_reads_whole(shape, sharding, getattr(args[i], 'strict', True))
@@ -2215,17 +2227,16 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
       if not remote:
         await asyncio.gather(*batches)
         batches = []
-      with contextlib.ExitStack() as compiler_held:
-        fill_ctx = ctx
-        if rest and ctx.compiler_pending and not batches and _compiles(
-            lambda c: plan(c, leaves, reserves_of(leaves)), ctx):
-          # Here, in the thread that runs Orbax's event loop (the caller's),
-          # not in the fill's: started from a reader thread, whose malloc
-          # arena is new, the same start-up measured 2-4 MiB more.
-          fill_ctx = _pay_compiler(ctx, compiler_held)
-        filled, *_ = await asyncio.gather(
-            asyncio.to_thread(fill_all, leaves, fill_ctx) if rest else asyncio.sleep(0, []),
-            *batches)
+      fill_ctx = ctx
+      if rest and ctx.compiler_pending and not batches and _compiles(
+          lambda c: plan(c, leaves, reserves_of(leaves)), ctx):
+        # Here, in the thread that runs Orbax's event loop (the caller's),
+        # not in the fill's: started from a reader thread, whose malloc
+        # arena is new, the same start-up measured 2-4 MiB more.
+        fill_ctx = _pay_compiler(ctx, compiler_held)
+      filled, *_ = await asyncio.gather(
+          asyncio.to_thread(fill_all, leaves, fill_ctx) if rest else asyncio.sleep(0, []),
+          *batches)
       del leaves
   for i, arr in zip(rest, filled):
     out[i] = arr

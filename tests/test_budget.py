@@ -301,6 +301,56 @@ def test_a_cold_restore_that_compiles_nothing_pays_no_start_up(tmp_path, state):
   assert beyond <= 40 * MiB, r
 
 
+@pytest.mark.slow
+def test_a_cold_restore_onto_a_custom_layout_pays_the_start_up_first(tmp_path):
+  """Placing onto a custom layout compiles a relayout: a fresh process that
+  restores onto one (Orbax's `support_layout`, inside `within_budget`)
+  starts the compiler before it reads, inside the budget, and no compile
+  runs before that."""
+  import subprocess, sys, json as json_lib  # pylint: disable=g-import-not-at-top,multiple-imports
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu',
+         'XLA_FLAGS': '--xla_force_host_platform_device_count=8'}
+  save = """
+import sys, jax, numpy as np, kd_ckpt
+from jax.sharding import NamedSharding as NS, PartitionSpec as P, Mesh
+m = Mesh(np.array(jax.devices()), ("x",))
+kd_ckpt.save(sys.argv[1], {"w": jax.device_put(
+    np.arange(64 * 1031, dtype=np.float32).reshape(64, 1031), NS(m, P("x")))},
+    host_ram_budget=128 << 20)
+"""
+  restore = """
+import json, sys, jax, numpy as np, kd_ckpt
+import orbax.checkpoint as ocp
+from jax.experimental import layout
+from jax.sharding import NamedSharding as NS, PartitionSpec as P, Mesh
+from kd_ckpt import hostmem, startup
+from tests import states
+unpaid = states._count_unpaid_compiles(startup)
+m = Mesh(np.array(jax.devices()), ("x",))
+fmt = layout.Format(layout.Layout(major_to_minor=(1, 0)), NS(m, P("x")))  # column-major
+target = {"w": jax.ShapeDtypeStruct((64, 1031), np.float32, sharding=fmt)}
+with hostmem.PeakRss() as peak:
+  # Orbax honours a target's layout with `support_layout` (kd_ckpt.restore does not ask it).
+  with kd_ckpt.within_budget(96 << 20):
+    back = ocp.Checkpointer(ocp.StandardCheckpointHandler()).restore(
+        sys.argv[1], args=ocp.args.StandardRestore(target, support_layout=True))
+  jax.block_until_ready(back)
+want = np.arange(64 * 1031, dtype=np.float32).reshape(64, 1031)
+print(json.dumps({"unpaid": unpaid[0], "started": startup._started, "peak": peak.extra_bytes,
+                  "same": bool((np.asarray(back["w"]) == want).all()),
+                  "layout": str(back["w"].format.layout.major_to_minor)}))
+"""
+  d = str(tmp_path / 'c')
+  for code in (save, restore):
+    proc = subprocess.run([sys.executable, '-c', code, d], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+  r = json_lib.loads(proc.stdout.strip().splitlines()[-1])
+  assert r['same'] and r['layout'] == '(1, 0)', r
+  assert r['started'] and r['unpaid'] == 0, r
+  assert r['peak'] <= 96 * MiB + TOLERANCE, r
+
+
 # --- the bugs of issue 11 -----------------------------------------------------
 
 def test_one_write_bigger_than_a_third_of_the_budget_is_planned_validly():
