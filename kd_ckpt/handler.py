@@ -289,8 +289,8 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     # Paid lazily wherever a read compiled, numpy leaves read beside it
     # (b6ddee7), a CI run stalled at 48 MiB (300 s waiting for 3 MiB): the
     # numpy reads were sized for the room before the start-up took its share.
-    defer = arrays and not storage.is_remote(directory) and not any(
-        t == 'np.ndarray' for _, t in params)
+    defer = (arrays and not storage.is_remote(directory)
+             and not any(t == 'np.ndarray' for _, t in params) and not _reads_numpy(args))
     compiler_bytes = startup.start_compiler() if arrays and not defer else 0
     # Likewise a first touch of a bucket (`kd_ckpt.restore` starts the clients
     # before it looks for the checkpoint, and says what that took).
@@ -402,6 +402,16 @@ class SafeRestore(ocp.args.StandardRestore):
 
   host_ram_budget: budget_lib.BudgetLike | None = None
   storage_startup_bytes: int = 0
+
+
+def _reads_numpy(args) -> bool:
+  """Whether a restore's target asks for numpy arrays (read by the numpy
+  handler, beside the arrays): a numpy leaf in the item, or restore args
+  of another restore type."""
+  if isinstance(args, ocp.args.PyTreeRestore) and args.restore_args is not None:
+    return any(getattr(a, 'restore_type', None) not in (None, jax.Array)
+               for a in jax.tree_util.tree_leaves(args.restore_args))
+  return any(isinstance(x, np.ndarray) for x in jax.tree_util.tree_leaves(args.item))
 
 
 def check_structure(directory, target: Any, params=None) -> None:

@@ -1611,10 +1611,9 @@ def _pay_compiler(ctx: ReadContext, held: contextlib.AsyncExitStack | None) -> R
   read of the restore runs beside the fill (no numpy leaves; its small
   leaves are read before), so the RSS the start-up adds is its own.  A
   fresh process restoring leaves it places whole, or shard by shard,
-  compiles nothing and pays nothing: `mesh2d_prime` loaded in 0.43-0.48 s
-  where Orbax took 0.24-0.25 s, 0.2 s of it the start-up
-  (`bench/load_weights.py`), and the start-up's ~55 MiB left 9 of a 64 MiB
-  budget to the pieces.
+  compiles nothing and pays nothing: a stock `mesh2d_prime` of 64 MiB at
+  128 MiB, 0.13 s and 18-25 MiB beyond its arrays, against 0.23 s and 73-77
+  MiB paying it up front (`bench/results/cold_restore.md`).
   """
   paid = startup.start_compiler()
   pieces = ctx.pieces_capacity_bytes - paid

@@ -351,6 +351,22 @@ print(json.dumps({"unpaid": unpaid[0], "started": startup._started, "peak": peak
   assert r['peak'] <= 96 * MiB + TOLERANCE, r
 
 
+def test_restores_that_read_numpy_arrays_start_the_compiler_up_front():
+  """Numpy results are read by the numpy handler beside the arrays' fill: the
+  fill cannot then measure the start-up alone (b6ddee7 stalled), so such
+  restores pay it before they read, as before."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import handler  # pylint: disable=g-import-not-at-top
+  arr = jax.ShapeDtypeStruct((3,), jnp.float32)
+  assert handler._reads_numpy(ocp.args.StandardRestore({'a': arr, 'b': np.zeros(3)}))
+  assert not handler._reads_numpy(ocp.args.StandardRestore({'a': arr, 'n': 3}))
+  assert not handler._reads_numpy(ocp.args.StandardRestore(None))
+  assert handler._reads_numpy(ocp.args.PyTreeRestore(
+      item={'a': arr}, restore_args={'a': ocp.RestoreArgs(restore_type=np.ndarray)}))
+  assert not handler._reads_numpy(ocp.args.PyTreeRestore(
+      item={'a': arr}, restore_args={'a': ocp.ArrayRestoreArgs(sharding=None)}))
+
+
 # --- the bugs of issue 11 -----------------------------------------------------
 
 def test_one_write_bigger_than_a_third_of_the_budget_is_planned_validly():
