@@ -289,7 +289,7 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     # Paid lazily wherever a read compiled, numpy leaves read beside it
     # (b6ddee7), a CI run stalled at 48 MiB (300 s waiting for 3 MiB): the
     # numpy reads were sized for the room before the start-up took its share.
-    defer = (arrays and not storage.is_remote(directory)
+    defer = (arrays and not startup.compiler_started() and not storage.is_remote(directory)
              and not any(t == 'np.ndarray' for _, t in params) and not _reads_numpy(args))
     compiler_bytes = startup.start_compiler() if arrays and not defer else 0
     # Likewise a first touch of a bucket (`kd_ckpt.restore` starts the clients

@@ -1585,14 +1585,13 @@ def _admit(ctx: ReadContext, leaves) -> tuple[ReadContext, set] | int:
     read = dataclasses.replace(read, piece_bytes=piece)
 
 
-def _compiles(plan, ctx: ReadContext) -> bool:
-  """Whether the fill `plan(ctx)` -> (parts, read, programs) compiles placement programs.
-
-  A plan refused for its programs compiles too: its refusal must name a
-  budget that holds the compiler's start-up.
+def _compiles(ctx: ReadContext, leaves) -> bool:
+  """Whether filling `leaves` (`_admit_programs`' tuples) at `ctx` compiles
+  placement programs.  Refused for its programs, it does too: its refusal
+  must name a budget that holds the compiler's start-up.
   """
   try:
-    return bool(plan(ctx)[2])
+    return bool(_admit_programs(ctx, leaves)[1])
   except plan_lib.BudgetTooSmallError:
     return True
 
@@ -2062,9 +2061,10 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
       read, programs = sized(1)
     return parts, read, programs
 
-  def fill_all(leaves, fctx):
+  def fill_all(leaves, fctx, planned=None):
+    """Fills `leaves` at `fctx`; `planned`: their `plan` there, if made already."""
     reserves = reserves_of(leaves)
-    return fill_planned(leaves, reserves, fctx, *plan(fctx, leaves, reserves))
+    return fill_planned(leaves, reserves, fctx, *(planned or plan(fctx, leaves, reserves)))
 
   def fill_planned(leaves, reserves, fctx, parts, read, programs):
     # The programs are held from the same limiter: what a leaf may take
@@ -2178,8 +2178,7 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
         least = ctx.budget_bytes
         if rest:  # as one part (where parts do not fit, `fill_all` falls back to one)
           pctx = ctx
-          if ctx.compiler_pending and _compiles(
-              lambda c: (1, *_admit_programs(c, admitted(leaves))), ctx):
+          if ctx.compiler_pending and _compiles(ctx, admitted(leaves)):
             pctx = _pay_compiler(ctx, None)  # the price holds it
           found = _least_budget(pctx, admitted(leaves), from_bytes=0)
           least = found[0] if found else ctx.budget_bytes + 1024 * cost.MiB
@@ -2226,16 +2225,20 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
       if not remote:
         await asyncio.gather(*batches)
         batches = []
-      fill_ctx = ctx
-      if rest and ctx.compiler_pending and not batches and _compiles(
-          lambda c: plan(c, leaves, reserves_of(leaves)), ctx):
-        # Here, in the thread that runs Orbax's event loop (the caller's),
-        # not in the fill's: started from a reader thread, whose malloc
-        # arena is new, the same start-up measured 2-4 MiB more.
-        fill_ctx = _pay_compiler(ctx, compiler_held)
+      fill_ctx, planned = ctx, None
+      if rest and ctx.compiler_pending and not batches:
+        try:
+          planned = plan(ctx, leaves, reserves_of(leaves))
+        except plan_lib.BudgetTooSmallError:
+          pass  # refused for its programs: it compiles, and names a budget that holds the start-up
+        if planned is None or planned[2]:
+          # Here, in the thread that runs Orbax's event loop (the caller's),
+          # not in the fill's: started from a reader thread, whose malloc
+          # arena is new, the same start-up measured 2-4 MiB more.
+          fill_ctx, planned = _pay_compiler(ctx, compiler_held), None
       filled, *_ = await asyncio.gather(
-          asyncio.to_thread(fill_all, leaves, fill_ctx) if rest else asyncio.sleep(0, []),
-          *batches)
+          asyncio.to_thread(fill_all, leaves, fill_ctx, planned) if rest
+          else asyncio.sleep(0, []), *batches)
       del leaves
   for i, arr in zip(rest, filled):
     out[i] = arr

@@ -72,6 +72,11 @@ def start_compiler() -> int:
   return cost
 
 
+def compiler_started() -> bool:
+  """Whether `start_compiler` has run in this process (it then costs nothing)."""
+  return _started
+
+
 def _rss_cost(fn) -> int:
   """The RSS `fn()` adds, its transient peak included."""
   hwm_before = hostmem.peak_rss_bytes()
