@@ -8,6 +8,9 @@ started (a training process has compiled before):
 * programs: host RAM XLA keeps per program that a restore compiles to fill a
   big shard in place (a zeros buffer, an update), one device and SPMD over 8
   (`cost.PROGRAM_BYTES`);
+* fingerprint programs: host RAM XLA keeps per program a reusing save
+  compiles to hash a leaf shape on its devices, on one device, sharded and
+  replicated over 8 (`cost.FINGERPRINT_PROGRAM_BYTES`);
 * floor and per leaf: the peak extra RSS of a streaming save and of a
   restore of 1 and of 2,000 tiny leaves, less the buffers the limiter
   admitted, against what the budget sets aside for it (`cost.FLOOR_BYTES`
@@ -45,6 +48,8 @@ def _programs(kind: str, count: int) -> dict:
     hostmem.release_free_memory()
     return hostmem.current_rss_bytes()
 
+  if kind.startswith('fingerprint'):
+    return _fingerprint_programs(kind, count, mesh, rss)
   before = rss()
   for i in range(count):
     # The programs kd_ckpt compiles (reading._zeros, reading._update and
@@ -65,6 +70,31 @@ def _programs(kind: str, count: int) -> dict:
     buf.block_until_ready()
     del buf
   return {'programs': 2 * count, 'bytes_per_program': (rss() - before) / (2 * count)}
+
+
+def _fingerprint_programs(kind: str, count: int, mesh, rss) -> dict:
+  """Host RAM per fingerprint program (a reusing save's hash of a leaf shape)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  from kd_ckpt import fingerprint, reuse  # pylint: disable=g-import-not-at-top
+
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('x'))
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  make = {
+      'fingerprint, one device': lambda i: jnp.zeros((256 + i, 1031), jnp.float32),
+      'fingerprint, bf16 one device': lambda i: jnp.zeros((4, 128 + i, 1031), jnp.bfloat16),
+      'fingerprint, sharded over 8': lambda i: jax.device_put(
+          jnp.zeros((8 * (32 + i), 1031), jnp.float32), rows),
+      'fingerprint, replicated over 8': lambda i: jax.device_put(
+          jnp.zeros((8 * (4 + i), 1031), jnp.float32), replicated),
+  }[kind]
+  leaves = [make(i) for i in range(count)]
+  sets = [reuse._write_set(x, 0, True, None, None) for x in leaves]  # pylint: disable=protected-access
+  keys = set().union(*(fingerprint.program_keys(p) for p in sets))
+  before = rss()
+  fingerprint.fingerprint_many(sets)
+  return {'programs': len(keys), 'bytes_per_program': (rss() - before) / len(keys)}
 
 
 def _fixed(mode: str, num_leaves: int, directory: str) -> dict:
@@ -129,6 +159,10 @@ def main(argv=None) -> int:
     r = _run('programs', kind, '20')
     rows.append((f'program kept by XLA, {kind}', r['bytes_per_program'],
                  f'cost.PROGRAM_BYTES = {cost.PROGRAM_BYTES / MiB:.2f} MiB'))
+  for kind in ('one device', 'bf16 one device', 'sharded over 8', 'replicated over 8'):
+    r = _run('programs', f'fingerprint, {kind}', '30')
+    rows.append((f'fingerprint program kept by XLA, {kind}', r['bytes_per_program'],
+                 f'cost.FINGERPRINT_PROGRAM_BYTES = {cost.FINGERPRINT_PROGRAM_BYTES / MiB:.2f} MiB'))
   with tempfile.TemporaryDirectory() as tmp:
     for n in (1, 2000):
       d = os.path.join(tmp, f'c{n}')

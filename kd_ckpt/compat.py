@@ -342,6 +342,16 @@ def format_layout(fmt: Any) -> Any:
       'jax', 'jax.experimental.layout', 'Format.layout', (), 'Format has no layout'))
 
 
+def shard_map(f, *, mesh, in_specs, out_specs):
+  """`jax.shard_map` (`jax.experimental.shard_map.shard_map` before jax 0.7)."""
+  params = ('mesh', 'in_specs', 'out_specs')
+  try:
+    fn = _need('jax', 'jax', 'shard_map', params)
+  except IncompatibleVersionError:
+    fn = _need('jax', 'jax.experimental.shard_map', 'shard_map', params)
+  return fn(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+
 def make_format(layout: Any, sharding: Any) -> Any:
   fmt = _need('jax', 'jax.experimental.layout', 'Format')
   return fmt(layout, sharding)

@@ -124,6 +124,14 @@ MIN_PIECES_BYTES = 5 * 64 * KiB + CHUNKREAD_STATE_BYTES
 # (`make calibrate`) 390 KiB each on one device, 491 KiB SPMD over 8 devices;
 # charged 1 MiB.
 PROGRAM_BYTES = 1 * MiB
+# Each program a fingerprinting save (reuse) compiles to hash leaves on their
+# devices (one per shape, dtype, box and device set:
+# `reuse.fingerprint_programs`), which XLA keeps for the life of the process.
+# Measured 0.85-1.08 MiB each: 40 shapes of each of seven dtypes, ranks 1-4,
+# on one device, and of leaves sharded over 8 devices (rows, a 2x4 mesh,
+# replicated, complex 3-D); `make calibrate` re-measures four of them;
+# charged 1.5 MiB.
+FINGERPRINT_PROGRAM_BYTES = 3 * MiB // 2
 
 # --- Orbax's own save (cannot be enforced: chosen only if its worst case fits)
 # TensorStore and OCDBT contexts, thread stacks and arenas, metadata: 4-16 MiB
@@ -225,6 +233,11 @@ def stock_read_charge(shard_bytes: int, chunks_bytes: int) -> int:
 def programs_charge(num_programs: int) -> int:
   """Placement programs a restore compiles, held from their compile to its end."""
   return int(num_programs) * PROGRAM_BYTES
+
+
+def fingerprint_programs_charge(num_programs: int) -> int:
+  """Fingerprint programs a save compiles (`reuse.fingerprint_programs`), kept by XLA."""
+  return int(num_programs) * FINGERPRINT_PROGRAM_BYTES
 
 
 def startup_spread_bytes(startup_bytes: int) -> int:

@@ -57,12 +57,15 @@ import functools
 import hashlib
 import math
 import struct
+import threading
 from typing import Sequence
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
+
+from kd_ckpt import compat
 
 Box = tuple[slice, ...]
 Piece = tuple[jax.Array, Box, Box]
@@ -72,6 +75,9 @@ _GOLDEN = np.uint32(0x9E3779B9)
 _SEEDS = tuple(np.uint32(s) for s in (
     0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344))  # digits of pi
 _PERSON = b'kd_ckpt.fp/1'
+# `program_keys` of every piece this process hashed on device: compiled.
+_compiled: set = set()
+_compiled_lock = threading.Lock()
 _UNSIGNED = {2: getattr(jnp, 'uint2', None), 4: jnp.uint4, 8: jnp.uint8,
              16: jnp.uint16, 32: jnp.uint32}
 
@@ -104,8 +110,7 @@ def _fmix32(h: jax.Array) -> jax.Array:
   return h ^ (h >> 16)
 
 
-@functools.partial(jax.jit, static_argnames=('sizes',))
-def _lane_sums(x: jax.Array, starts: jax.Array, sizes: tuple[int, ...]):
+def _lane_sums_body(x: jax.Array, starts: jax.Array, sizes: tuple[int, ...]):
   """uint32[4]: the 4 lane sums of x[starts : starts + sizes]."""
   if tuple(x.shape) != sizes:  # Otherwise the box is all of x.
     x = lax.dynamic_slice(x, [starts[d] for d in range(x.ndim)], sizes)
@@ -123,6 +128,9 @@ def _lane_sums(x: jax.Array, starts: jax.Array, sizes: tuple[int, ...]):
                      lambda a, b: tuple(u + v for u, v in zip(a, b)),
                      tuple(range(w.ndim)))
   return jnp.stack(lanes)
+
+
+_lane_sums = jax.jit(_lane_sums_body, static_argnames=('sizes',))
 
 
 def _check_box(box: Box, shape: Sequence[int] | None) -> tuple[int, ...]:
@@ -183,25 +191,122 @@ def fingerprint_boxes(pieces: Sequence[Piece]) -> str:
   return _collect(_dispatch(pieces))
 
 
-def _dispatch(pieces: Sequence[Piece]) -> list:
-  pending = []  # Dispatch everything first: devices work in parallel.
+def _sub_pieces(pieces: Sequence[Piece]):
+  """(array, src, glob, sizes) of every sub-piece (`_split`), checked."""
   for array, src, glob in pieces:
     if jax.dtypes.issubdtype(array.dtype, jax.dtypes.prng_key):
       raise TypeError('typed PRNG keys: pass jax.random.key_data(key)')
     sizes = _check_box(tuple(src), array.shape)
     if _check_box(tuple(glob), None) != sizes:
       raise ValueError(f'src_box {src} and global_box {glob} differ in size')
-    words = _words_per_element(array.dtype)
-    for sub_src, sub_glob in _split(tuple(src), tuple(glob), words):
-      sub_sizes = tuple(s.stop - s.start for s in sub_src)
-      if math.prod(sub_sizes) == 0:
-        lanes = np.zeros(4, np.uint32)
+    for sub_src, sub_glob in _split(tuple(src), tuple(glob), _words_per_element(array.dtype)):
+      yield array, sub_src, sub_glob, tuple(int(s.stop - s.start) for s in sub_src)
+
+
+def _groups(pieces: Sequence[Piece]) -> list[tuple[tuple, list]]:
+  """Sub-pieces hashed by one program each: (program key, [(array, src, glob)]).
+
+  The sub-pieces of one shape, dtype and box extents on different devices
+  (a sharded leaf's shards, a replicated leaf's replica-parallel parts) go
+  to one program over those devices (`_spmd_lane_sums`): XLA compiles one
+  program per device set rather than one per device (30 leaf shapes over 8
+  CPU devices: 30 programs, 31.6 MiB and 4.5 s, against 240, 107 MiB and
+  20.6 s).  Zero-size sub-pieces need no program (key None).
+  """
+  by_kind: dict[tuple, list] = {}
+  out = []
+  for array, src, glob, sizes in _sub_pieces(pieces):
+    if math.prod(sizes) == 0:
+      out.append((None, [(array, src, glob)]))
+      continue
+    kind = (tuple(array.shape), np.dtype(array.dtype).name,
+            bool(getattr(array, 'weak_type', False)), sizes)
+    by_kind.setdefault(kind, []).append((array, src, glob))
+  for kind, members in by_kind.items():
+    # A device appears once per program: its n-th sub-piece of a kind goes to
+    # the n-th group (a shard split by `_split` into equal sub-pieces).
+    rounds: list[dict] = []
+    for m in members:
+      dev = next(iter(m[0].devices()))
+      slot = next((r for r in rounds if dev.id not in r), None)
+      if slot is None:
+        rounds.append(slot := {})
+      slot[dev.id] = m
+    for r in rounds:
+      ids = tuple(sorted(r))
+      # Rank 0 has no axis to lay the devices along: one program each.
+      if len(ids) > 1 and len(kind[0]) == 0:
+        out.extend(((*kind, (i,)), [r[i]]) for i in ids)
       else:
-        starts = np.array([s.start for s in sub_src], np.int32)
-        lanes = _lane_sums(array, starts, sub_sizes)
-        lanes.copy_to_host_async()
-      pending.append((array.dtype, sub_glob, lanes))
+        out.append(((*kind, ids), [r[i] for i in ids]))
+  return out
+
+
+def program_keys(pieces: Sequence[Piece]) -> set:
+  """The device programs hashing `pieces` runs, compiled already or not.
+
+  One per (shape, dtype, box extents, device set) (`_groups`): XLA compiles
+  each and keeps it (~0.9-1.1 MiB of host RAM, `cost.
+  FINGERPRINT_PROGRAM_BYTES`) for the life of the process.  A save that
+  fingerprints charges the new ones to its budget (`new_programs`).
+  """
+  return {key for key, _ in _groups(pieces) if key is not None}
+
+
+def new_programs(keys: set) -> set:
+  """Those of `keys` (from `program_keys`) this process has not compiled yet."""
+  with _compiled_lock:
+    return set(keys) - _compiled
+
+
+def _dispatch(pieces: Sequence[Piece]) -> list:
+  pending = []  # Dispatch everything first: devices work in parallel.
+  for key, members in _groups(pieces):
+    if key is None:
+      [(array, _, glob)] = members
+      pending.append((array.dtype, glob, np.zeros(4, np.uint32)))
+      continue
+    sizes = key[3]
+    if len(members) == 1:
+      [(array, src, glob)] = members
+      lanes = [_lane_sums(array, np.array([s.start for s in src], np.int32), sizes)]
+    else:
+      lanes = _spmd_lane_sums(members, sizes)
+    for lane, (array, _, glob) in zip(lanes, members):
+      lane.copy_to_host_async()
+      pending.append((array.dtype, glob, lane))
+    with _compiled_lock:
+      _compiled.add(key)
   return pending
+
+
+def _spmd_lane_sums(members: list, sizes: tuple[int, ...]) -> list[jax.Array]:
+  """`_lane_sums` of sub-pieces on distinct devices, as one program over them.
+
+  The arrays (each of one shape, on its own device) are laid side by side
+  along axis 0 of one global array, without a copy, and each device hashes
+  its own box: the lanes are the same numbers `_lane_sums` gives each piece.
+  """
+  arrays = [a for a, _, _ in members]
+  mesh = jax.sharding.Mesh(np.array([next(iter(a.devices())) for a in arrays]), ('d',))
+  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('d'))
+  shape = tuple(arrays[0].shape)
+  side_by_side = jax.make_array_from_single_device_arrays(
+      (len(arrays) * shape[0],) + shape[1:], rows, arrays)
+  starts = jax.device_put(
+      np.array([[s.start for s in src] for _, src, _ in members], np.int32), rows)
+  out = _spmd_program(side_by_side, starts, sizes, mesh)
+  # Each device's (1, 4) row, left as it is: reshaping on the device would
+  # compile; `_mix` reads the same 16 bytes.
+  return [shard.data for shard in sorted(out.addressable_shards, key=lambda s: s.index[0].start)]
+
+
+@functools.partial(jax.jit, static_argnames=('sizes', 'mesh'))
+def _spmd_program(x: jax.Array, starts: jax.Array, sizes: tuple[int, ...], mesh):
+  def local(xl, sl):
+    return _lane_sums_body(xl, sl[0], sizes)[None]
+  spec = jax.sharding.PartitionSpec('d')
+  return compat.shard_map(local, mesh=mesh, in_specs=(spec, spec), out_specs=spec)(x, starts)
 
 
 def _collect(pending: list) -> str:

@@ -200,6 +200,9 @@ class SavePlan:
     startup_bytes: host RAM this save spent before planning on the process's
       one-time XLA compiler start-up (`kd_ckpt.startup`): part of the peak,
       so the rest of the save plans with the budget less this.
+    fingerprint_programs: device programs this save's fingerprints (reuse)
+      compile, which XLA keeps (`reuse.fingerprint_programs`): charged
+      `cost.FINGERPRINT_PROGRAM_BYTES` each, like the start-up.
     why: why this way was chosen, one line.
   """
 
@@ -218,6 +221,7 @@ class SavePlan:
   estimate: estimate_lib.TreeEstimate = dataclasses.field(repr=False)
   platform: str = 'cpu'
   startup_bytes: int = 0
+  fingerprint_programs: int = 0
   why: str = ''
 
   @property
@@ -229,9 +233,14 @@ class SavePlan:
     return self.layout.slice_bytes if self.layout else None
 
   @property
+  def reserved_bytes(self) -> int:
+    """The budget spent outside the limiter: start-up and fingerprint programs."""
+    return self.startup_bytes + cost.fingerprint_programs_charge(self.fingerprint_programs)
+
+  @property
   def capacity_bytes(self) -> int:
-    """What the host limiter admits (budget less the floor and the start-up)."""
-    return cost.limiter_capacity(self.budget_bytes - self.startup_bytes)
+    """What the host limiter admits (budget less the floor, start-up and programs)."""
+    return cost.limiter_capacity(self.budget_bytes - self.reserved_bytes)
 
   def to_json_dict(self) -> dict[str, Any]:
     """A JSON-serialisable summary (what `python -m kd_ckpt plan --json` prints)."""
@@ -245,6 +254,7 @@ class SavePlan:
         'global_bytes': self.global_bytes,
         'num_leaves': self.num_leaves,
         'startup_bytes': self.startup_bytes,
+        'fingerprint_programs': self.fingerprint_programs,
         'why': self.why,
         'largest_leaf_bytes': self.largest_leaf_bytes,
         'platform': self.platform,
@@ -293,7 +303,10 @@ class SavePlan:
         f' in {self.num_leaves} leaves (largest leaf {fb(self.largest_leaf_bytes)})',
         f'  budget            {fb(self.budget_bytes)} ({self.budget_text})'
         + (f', of which one-time start-up (XLA, storage clients) took {fb(self.startup_bytes)}'
-           if self.startup_bytes else ''),
+           if self.startup_bytes else '')
+        + (f', {self.fingerprint_programs} fingerprint programs (reuse) are charged'
+           f' {fb(cost.fingerprint_programs_charge(self.fingerprint_programs))}'
+           if self.fingerprint_programs else ''),
         f'  choice            {self.summary()}',
     ] + ([f'  why               {self.why}'] if self.why else []) + [
         '',
@@ -392,19 +405,23 @@ def _small_leaves(est: estimate_lib.TreeEstimate) -> bool:
 
 def plan_from_estimate(
     est: estimate_lib.TreeEstimate, *, budget_bytes: int, budget_text: str = '',
-    strategy: str = 'auto', startup_bytes: int = 0, blocking: bool = True) -> SavePlan:
+    strategy: str = 'auto', startup_bytes: int = 0, fingerprint_programs: int = 0,
+    blocking: bool = True) -> SavePlan:
   """Chooses among `candidates_for(est)`; raises BudgetTooSmallError if none fits.
 
-  `startup_bytes` were already spent by this save (`kd_ckpt.startup`): the
-  candidates share what is left, and their predictions include them.
+  `startup_bytes` were already spent by this save (`kd_ckpt.startup`), and
+  its `fingerprint_programs` will be kept by XLA (`plan_save`): the
+  candidates share what is left, and their predictions include both.
   `blocking`: the save returns only once durable (`plan_save`).
   """
   check_strategy(strategy)
   startup_bytes = max(0, int(startup_bytes))
+  fingerprint_programs = max(0, int(fingerprint_programs))
+  reserved = startup_bytes + cost.fingerprint_programs_charge(fingerprint_programs)
   cands = [dataclasses.replace(  # fits: within what is left
-      c, predicted_peak_bytes=c.predicted_peak_bytes + startup_bytes,
-      worst_peak_bytes=c.worst_peak_bytes + startup_bytes)
-           for c in candidates_for(est, budget_bytes - startup_bytes)]
+      c, predicted_peak_bytes=c.predicted_peak_bytes + reserved,
+      worst_peak_bytes=c.worst_peak_bytes + reserved)
+           for c in candidates_for(est, budget_bytes - reserved)]
   stream = next(c for c in cands if c.strategy == 'streaming')
   best_orbax = _best_orbax(cands, budget_bytes)
   startup_note = (
@@ -413,6 +430,13 @@ def plan_from_estimate(
       ' uses in this process, and the storage clients at its first gs:// access); a'
       ' process that has compiled a training step and touched its bucket pays'
       ' almost none of it.' if startup_bytes else '')
+  if fingerprint_programs:
+    startup_note += (
+        f' Its fingerprints (reuse) compile {fingerprint_programs} programs on the'
+        ' devices, one per leaf shape and device, which XLA keeps for the life of'
+        f' the process ({text.format_bytes(cost.fingerprint_programs_charge(fingerprint_programs))}'
+        ' charged); later saves of the same tree compile none. Saving without'
+        ' reuse (or fingerprint) spends none.')
   empty = [l.path for l in est.leaves if l.is_array and 0 in l.shape]
   if empty and strategy == 'orbax':
     # Orbax 0.12 refuses zero-size arrays; the streaming writer stores them
@@ -448,14 +472,15 @@ def plan_from_estimate(
     else:
       why = 'no Orbax variant fits the budget in its worst case'
   else:
-    need = cost.min_budget_bytes(est.num_leaves) + startup_bytes
+    need = cost.min_budget_bytes(est.num_leaves) + reserved
     raise BudgetTooSmallError(
         f'host_ram_budget={budget_text or budget_bytes} resolves to'
         f' {text.format_bytes(budget_bytes)}, below the smallest budget kd_ckpt'
         f' can honour for this tree ({text.format_bytes(need)}: a fixed floor of'
         f' {text.format_bytes(cost.FLOOR_BYTES)}, {est.num_leaves} leaves\''
-        f' bookkeeping ({text.format_bytes(cost.leaves_charge(est.num_leaves))}) and room'
-        f' for two {text.format_bytes(cost.MIN_SLICE_BYTES)} slices). Raise'
+        f' bookkeeping ({text.format_bytes(cost.leaves_charge(est.num_leaves))}), room'
+        f' for two {text.format_bytes(cost.MIN_SLICE_BYTES)} slices'
+        + (f' and the {text.format_bytes(reserved)} below' if reserved else '') + '). Raise'
         f' host_ram_budget to {text.budget_literal(cost.suggested_budget_bytes(need, startup_bytes))}'
         f' or more.{startup_note}')
   use_rp = choice.orbax.use_replica_parallel if choice.orbax else True
@@ -467,7 +492,8 @@ def plan_from_estimate(
       num_leaves=est.num_leaves,
       largest_leaf_bytes=max((l.global_bytes for l in est.leaves), default=0),
       orbax=choice.orbax, layout=choice.layout, candidates=tuple(cands),
-      estimate=est, platform=est.platform, startup_bytes=startup_bytes, why=why)
+      estimate=est, platform=est.platform, startup_bytes=startup_bytes,
+      fingerprint_programs=fingerprint_programs, why=why)
 
 
 def agreed_budget(spec: budget_lib.BudgetSpec, mem: hostmem.HostMemory | None,
@@ -496,6 +522,7 @@ def plan_save(
     memory: hostmem.HostMemory | None = None,
     platform: str | None = None,
     startup_bytes: int = 0,
+    fingerprint_programs: int = 0,
     save_id=None,
     blocking: bool = True,
 ) -> SavePlan:
@@ -517,6 +544,9 @@ def plan_save(
       plan shares what is left of the budget.  A preflight leaves it 0; the
       first save of a process that never ran a jit pays XLA's compiler
       start-up (~50 MiB) on top.
+    fingerprint_programs: device programs the save's fingerprints will
+      compile (`reuse.fingerprint_programs`; saves with reuse pass it): each
+      is charged `cost.FINGERPRINT_PROGRAM_BYTES`, which XLA keeps.
     save_id: the destination of the save this plans (saves pass it), which
       names its exchanges in a multi-process job.  None: a preflight.
     blocking: the save returns only once durable, as `kd_ckpt.save` does;
@@ -545,7 +575,9 @@ def plan_save(
     if est.process_count > 1:
       # Slices (the zarr chunks every process writes into) must be the same
       # everywhere: every process plans with the largest start-up.
-      startup_bytes = int(exchange.agree([startup_bytes], what='the start-up').max())
+      startup_bytes, fingerprint_programs = (int(n) for n in exchange.agree(
+          [startup_bytes, fingerprint_programs], what='the start-up').max(axis=0))
     return plan_from_estimate(est, budget_bytes=budget_bytes, budget_text=spec.text,
                               startup_bytes=startup_bytes,
+                              fingerprint_programs=fingerprint_programs,
                               strategy=strategy, blocking=blocking)

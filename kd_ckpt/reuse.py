@@ -62,6 +62,7 @@ import numpy as np
 import tensorstore as ts
 
 from kd_ckpt import compat
+from kd_ckpt import cost
 from kd_ckpt import fingerprint as fingerprint_lib
 from kd_ckpt import integrity
 from kd_ckpt import slicing
@@ -189,19 +190,61 @@ def _log_once(message: str) -> None:
 def write_set(handler, arr: jax.Array) -> list[tuple[Any, slicing.Box, slicing.Box]]:
   """(single-device array, box in it, global box) of what this process writes of `arr`."""
   o = compat.array_handler_options(handler)
+  return _write_set(arr, o.replica_id, o.use_replica_parallel,
+                    o.min_slice_bytes_for_replica_parallel, o.max_replicas_for_replica_parallel)
+
+
+def fingerprint_programs(tree: Any) -> int:
+  """How many device programs fingerprinting `tree` will compile in this process.
+
+  XLA keeps each (`cost.FINGERPRINT_PROGRAM_BYTES`) for the life of the
+  process, outside any limiter: a save that fingerprints (reuse) plans with
+  its budget less their charge (`plan.plan_save(fingerprint_programs=)`).
+  One program per shape, dtype, box and device set of the pieces hashed on
+  device (`fingerprint.program_keys`), so a model's repeated layers share
+  theirs, and a later save of the same tree compiles none.  Counted for
+  every way a save may cut replicated leaves (Orbax's writer replica-parallel
+  or not, the streaming writer's: the plan picks one later), so never fewer
+  than the save compiles; a replicated leaf's other ways are charged again
+  at each save.
+
+    n = reuse.fingerprint_programs(state)  # 0 once a save of `state` fingerprinted it
+  """
+  from kd_ckpt import tree as tree_lib  # pylint: disable=g-import-not-at-top
+  keys = set()
+  for arr in jax.tree_util.tree_leaves(tree):
+    if not isinstance(arr, jax.Array):
+      continue
+    if arr.nbytes < DEVICE_MIN_BYTES:
+      continue  # A write set holds each element once at most: hashed on the host.
+    if tree_lib.is_prng_key(arr):
+      arr = jax.random.key_data(arr)  # what the save hashes (`stored_values`)
+    itemsize = np.dtype(arr.dtype).itemsize
+    # (use_replica_parallel, min_slice_bytes): Orbax's writer either way
+    # (`handler.SafePyTreeHandler.async_save`), then the streaming writer's.
+    for replica_parallel, min_slice in ((True, None), (False, None),
+                                        (jax.process_count() > 1, cost.MIN_REPLICA_PARALLEL_BYTES)):
+      pieces = _write_set(arr, 0, replica_parallel, min_slice, None)
+      if sum(slicing.nbytes(src, itemsize) for _, src, _ in pieces) >= DEVICE_MIN_BYTES:
+        keys |= fingerprint_lib.program_keys(pieces)
+  return len(fingerprint_lib.new_programs(keys))
+
+
+def _write_set(arr: jax.Array, replica_id, use_replica_parallel, min_slice_bytes,
+               max_replicas) -> list[tuple[Any, slicing.Box, slicing.Box]]:
   rslices = compat.orbax.get_replica_slices(
-      arr, o.replica_id, o.use_replica_parallel, o.min_slice_bytes_for_replica_parallel,
-      o.max_replicas_for_replica_parallel)
+      arr, replica_id, use_replica_parallel, min_slice_bytes, max_replicas)
   out = []
   for rs in rslices.replica_slices:
     data = rs.unsliced_data
     src = [slice(0, n) for n in data.shape]
-    glob = list(slicing.from_pairs(slicing.pairs(rs.index, arr.shape)))
     if rs.slice_args is not None:
       a = rs.slice_args
       src[a.axis] = slice(a.start_index, a.limit_index)
-      glob[a.axis] = slice(glob[a.axis].start + a.start_index, glob[a.axis].start + a.limit_index)
-    out.append((data, tuple(src), tuple(glob)))
+    # `index` is the slice's own global region (for a replica-parallel part,
+    # not its shard's): offset again, a second process recorded and copied
+    # its neighbour's chunks, and the reusing checkpoint lacked its own.
+    out.append((data, tuple(src), slicing.from_pairs(slicing.pairs(rs.index, arr.shape))))
   return out
 
 

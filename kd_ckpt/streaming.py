@@ -444,8 +444,14 @@ def _shard_part(rslice) -> list[slice]:
 
 
 def _region(rslice, shape) -> tuple[slice, ...]:
-  """The global region a replica slice writes."""
-  return slicing.offset(tuple(rslice.index), tuple(_shard_part(rslice)), shape)
+  """The global region a replica slice writes.
+
+  Orbax's `ReplicaSlice.index` is that region already: for a replica-parallel
+  slice it is the part of the shard (`slice_args`) in global coordinates, not
+  the shard's index.  (Offsetting it by `slice_args` again put a second
+  process's zero chunks under its neighbour's keys.)
+  """
+  return slicing.from_pairs(slicing.pairs(rslice.index, shape))
 
 
 def _zero_chunk_keys(p: '_Prepared', zspec: dict[str, Any]) -> list[tuple[str, int]] | None:

@@ -840,3 +840,14 @@ def test_ab_save_ts_alone_writes_the_states_bytes(tmp_path):
   saved_mb, alone_mb = float(rows['now'][-1]), float(rows['ts-alone'][-1])
   assert 20 * (1 << 20) / 1e6 <= alone_mb <= saved_mb * 1.01, (saved_mb, alone_mb)
   assert rows['ts-alone'][-2] == '0.00', rows  # no device-to-host copies
+
+
+def test_fingerprint_programs_smoke():
+  """bench/fingerprint_programs.py: shard by shard, 8 programs a shape; side by
+  side, one."""
+  proc = subprocess.run(
+      [sys.executable, str(BENCH / 'fingerprint_programs.py'), '--shapes', '2'],
+      capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  rows = {l[:14].strip(): l[14:].split() for l in proc.stdout.splitlines()[2:]}
+  assert rows['per device'][0] == '16' and rows['side by side'][0] == '2', proc.stdout

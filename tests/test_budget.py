@@ -632,7 +632,9 @@ def test_drawn_states_hold_the_budget():
   (through SafeCheckpointer), 9 and 11 (refused twice on restore, then
   held at the budget named), 75 (a leaf with an extent of 1 under
   strategy='orbax') and 159 (resharded onto devices that copy, beside
-  placement programs).  `make fuzz-budget` runs 100 seeds."""
+  placement programs); 11 and 75 save with reuse (after a save of the
+  state with every other array leaf zeroed: both held, the fingerprints'
+  programs charged).  `make fuzz-budget` runs 100 seeds."""
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   proc = subprocess.run(

@@ -188,10 +188,12 @@ def test_sharding_layout():
 
 
 def test_replicated_costs_one_piece(monkeypatch):
-  calls = []
-  real = fp._lane_sums
+  calls = []  # pieces hashed, alone or side by side with others
+  real, spmd = fp._lane_sums, fp._spmd_lane_sums
   monkeypatch.setattr(fp, '_lane_sums',
                       lambda *a, **k: calls.append(1) or real(*a, **k))
+  monkeypatch.setattr(fp, '_spmd_lane_sums',
+                      lambda m, s: calls.extend([1] * len(m)) or spmd(m, s))
   fp.fingerprint_array(_sharded(np.ones((16, 4), np.float32), P()))
   assert len(calls) == 1
   fp.fingerprint_array(_sharded(np.ones((16, 4), np.float32), P(None, 'b'),
@@ -286,3 +288,56 @@ def test_speed_and_host_memory_1gib():
         f'GB/s ({warm:.3f} s; first call {cold:.2f} s), host peak added '
         f'{added / 2**20:.2f} MiB')
   assert added < 32 * 2**20
+
+
+# --- one program per device set (`_groups`, `_spmd_lane_sums`) ---------------
+
+@pytest.mark.parametrize('dtype', DTYPES, ids=lambda d: np.dtype(d).name)
+def test_pieces_on_several_devices_hash_to_the_reference_lanes(dtype):
+  """Shards hashed side by side in one program: each device's lanes are its
+  own box's, as `_lane_sums` and the numpy reference give them."""
+  a = _values(dtype, (8 * 6, 7))
+  x = _sharded(a)
+  # Each shard's own sub-box (rows 1-4 of 6, columns 2-6), as replica-parallel
+  # parts are: the starts differ from device to device in the global frame.
+  box = (slice(1, 5), slice(2, 7))
+  pieces = [(s.data, box, (slice(s.index[0].start + 1, s.index[0].start + 5), slice(2, 7)))
+            for s in x.addressable_shards]
+  [(key, members)] = fp._groups(pieces)
+  assert len(members) == 8 and key[-1] == tuple(sorted(d.id for d in x.devices()))
+  lanes = fp._spmd_lane_sums(members, key[3])
+  for (data, _, glob), got in zip(members, lanes):
+    r0 = glob[0].start
+    assert [int(v) for v in np.asarray(got).ravel()] == _ref_lanes(a[r0:r0 + 4, 2:7])
+  assert fp.fingerprint_boxes(pieces) == fp._collect(
+      [(d.dtype, g, fp._lane_sums(d, np.array([1, 2], np.int32), (4, 5))) for d, _, g in pieces])
+
+
+def test_a_sharded_leaf_compiles_one_program_not_one_per_device():
+  x = _sharded(_values(np.float32, (8 * 13, 11)))
+  spmd, single = fp._spmd_program._cache_size(), fp._lane_sums._cache_size()
+  keys = fp.program_keys(_pieces(x))
+  assert len(keys) == 1
+  fp.fingerprint_array(x)
+  assert (fp._spmd_program._cache_size() - spmd, fp._lane_sums._cache_size() - single) == (1, 0)
+  assert not fp.new_programs(keys)
+  # Another leaf of that shape over the same devices: nothing new.
+  fp.fingerprint_array(_sharded(_values(np.float32, (8 * 13, 11), seed=3)))
+  assert fp._spmd_program._cache_size() - spmd == 1
+
+
+def test_split_pieces_on_several_devices_match_explicit_sub_pieces(monkeypatch):
+  """A shard split into equal sub-pieces puts each in its own program over the
+  devices (a device appears once per program); the value is the explicit
+  sub-pieces' either way."""
+  a = _values(np.float32, (8 * 4, 3))
+  x = _sharded(a)
+  pieces = _pieces(x)
+  monkeypatch.setattr(fp, '_MAX_WORDS', 7)  # each 4x3 shard: 2 sub-pieces of 2x3
+  groups = fp._groups(pieces)
+  assert [len(m) for _, m in groups] == [8, 8]
+  split = fp.fingerprint_boxes(pieces)
+  subs = [(d, s, g) for d, src, glob in pieces for s, g in fp._split(src, glob, 1)]
+  monkeypatch.setattr(fp, '_MAX_WORDS', 2**31)
+  assert fp.fingerprint_boxes(subs) == split
+  assert fp.fingerprint_boxes(pieces) != split

@@ -295,3 +295,24 @@ def test_a_preflight_on_one_process_does_not_shift_later_saves(tmp_path):
   # Both processes planned with the same budgets.
   assert results[0]['budget_0'] == results[1]['budget_0'] == 96 * MiB
   assert results[0]['budget_1'] == results[1]['budget_1']
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.parametrize('strategy', ['streaming', 'orbax'])
+def test_two_processes_reuse_what_they_wrote(tmp_path, strategy):
+  """Each process fingerprints its own shards (one program per leaf shape
+  over its 4 devices) and, saving an unchanged state again, reuses every
+  array leaf; both checkpoints restore bit-exact on both processes, each
+  save within its budget with the programs charged."""
+  budget = 160 * MiB
+  port = _free_port()
+  results = _run(
+      [['save_reuse', str(tmp_path / 'ckpts'), strategy, str(budget), str(i), '2', str(port)]
+       for i in range(2)], devices=4, log_dir=tmp_path / 'logs')
+  for r in results:
+    first, second = r['saves']
+    assert r['programs'] > 0 and r['programs_after'] < r['programs'], r
+    assert first['leaves_reused'] == 0 and second['leaves_reused'] >= 3, r
+    for s in r['saves']:
+      assert s['peak_extra_bytes'] <= _limit(budget), r

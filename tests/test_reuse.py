@@ -3,6 +3,7 @@ every checkpoint stays complete and independent, a changed leaf is never reused.
 
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from tests import states
 
 P, NS = states.P, states.NS
 MiB = states.MiB
+TOLERANCE = 8 * MiB  # as tests/test_budget.py
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -358,3 +360,109 @@ def test_free_space_is_checked_for_what_a_reusing_save_writes(tmp_path, monkeypa
                  reuse_from=tmp_path / '1')
   assert not (tmp_path / '2').exists()
   _assert_same(kd_ckpt.restore(tmp_path / '1'), _tree(frozen, 1))
+
+
+# --- the fingerprints' device programs are charged to the budget --------------
+
+def test_fingerprint_program_keys_are_the_programs_jit_compiles():
+  """`fingerprint.program_keys` counts exactly what a save's fingerprints
+  compile: one program per shape, dtype, box and device set (a sharded leaf:
+  one over its 8 devices); once hashed, none is new."""
+  from kd_ckpt import fingerprint  # pylint: disable=g-import-not-at-top
+  m1, _ = states.meshes()
+  leaves = [states.filled((8 * 131, 1031), NS(m1, P('x')), seed=5),          # 8 shards
+            states.filled((8 * 131, 1031), NS(m1, P('x')), seed=6),          # the same again
+            states.filled((8 * 80, 1031), NS(m1, P()), jnp.bfloat16, 7)]     # replicated, 1.3 MB
+  sets = [reuse._write_set(x, 0, True, None, None) for x in leaves]
+  keys = set().union(*(fingerprint.program_keys(s) for s in sets))
+  new = fingerprint.new_programs(keys)
+  compiled = lambda: fingerprint._lane_sums._cache_size() + fingerprint._spmd_program._cache_size()
+  before = compiled()
+  fingerprint.fingerprint_many(sets)
+  assert compiled() - before == len(new)
+  # One program per shape: the replicated leaf is cut replica-parallel, a
+  # part on each device (none new if an earlier test hashed these).
+  assert len(new) == 2 or not new, new
+  assert not fingerprint.new_programs(keys)
+  assert reuse.fingerprint_programs({'a': leaves[0]}) == 0
+  # The replicated leaf, cut whole on one device (Orbax's single-replica
+  # writer), is one more program, counted until a save compiles it.
+  assert reuse.fingerprint_programs({'b': leaves[2]}) == 1
+
+
+_PROGRAMS_WORKER = """
+import json, os, sys, jax, jax.numpy as jnp, kd_ckpt
+from kd_ckpt import hostmem, reuse
+root, budget = sys.argv[1], int(sys.argv[2])
+# 90 leaves of 1.0-1.1 MiB, each of its own shape: 90 fingerprint programs.
+tree = {f'l{i}': jnp.full((256 + i, 1031), i, jnp.float32) for i in range(90)}
+jax.block_until_ready(tree)
+out = {'programs': reuse.fingerprint_programs(tree), 'runs': []}
+for name, reuse_from, b in (('a', None, budget), ('b', 'a', 64 << 20)):
+  with hostmem.PeakRss() as peak:
+    try:
+      r = kd_ckpt.save(os.path.join(root, name), tree, host_ram_budget=b, fingerprint=True,
+                       reuse_from=reuse_from and os.path.join(root, reuse_from))
+      run = {'reused': r.leaves_reused}
+    except kd_ckpt.BudgetTooSmallError as e:
+      run = {'error': str(e)}
+  run.update(budget=b, peak=peak.extra_bytes, exists=os.path.exists(os.path.join(root, name)))
+  out['runs'].append(run)
+  if 'error' in run:
+    break
+print(json.dumps(out))
+"""
+
+
+def _programs_worker(root, budget):
+  import json  # pylint: disable=g-import-not-at-top
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': '--xla_force_host_platform_device_count=8'}
+  proc = subprocess.run([sys.executable, '-c', _PROGRAMS_WORKER, str(root), str(budget)],
+                        capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_fingerprinting_save_charges_the_programs_xla_keeps(tmp_path):
+  """Each leaf shape hashed on device compiles a program XLA keeps (~0.9 MiB).
+
+  Uncharged, 200 shapes peaked at 155 MiB on a 64 MiB budget.  Now a fresh
+  process at 64 MiB is refused before anything is written, naming a budget
+  that then holds; and a second save of the same tree in that process
+  compiles nothing new, so it fits 64 MiB again (its unchanged leaves reused).
+  """
+  from kd_ckpt import cost  # pylint: disable=g-import-not-at-top
+  first = _programs_worker(tmp_path / 'r64', 64 * MiB)
+  assert first['programs'] == 90
+  [refused] = first['runs']
+  assert 'error' in refused and not refused['exists'], refused
+  assert '90 programs' in refused['error'] and 'without reuse' in refused['error']
+  assert refused['peak'] <= 64 * MiB + TOLERANCE
+  named = int(re.search(r"to '(\d+)MiB' or more", refused['error']).group(1)) * MiB
+  assert named >= 90 * cost.FINGERPRINT_PROGRAM_BYTES
+  second = _programs_worker(tmp_path / 'named', named)
+  a, b = second['runs']
+  assert 'error' not in a and a['exists'] and a['peak'] <= named + TOLERANCE, a
+  assert 'error' not in b and b['exists'] and b['peak'] <= 64 * MiB + TOLERANCE, b
+  assert a['reused'] == 0 and b['reused'] == 90, second
+  back = kd_ckpt.restore(tmp_path / 'named' / 'b', host_ram_budget='256MiB')
+  for i in (0, 45, 89):
+    leaf = np.asarray(back[f'l{i}'])
+    assert leaf.shape == (256 + i, 1031) and (leaf == i).all()
+
+
+def test_replica_parallel_parts_are_recorded_where_they_are():
+  """A replica-parallel part's global box is Orbax's `ReplicaSlice.index` as it
+  is: the parts tile the array, and each box holds the bytes its source box
+  does.  (Offset twice, a second process recorded its neighbour's chunks and
+  its reusing checkpoint lacked its own: tests/test_multiprocess.py.)"""
+  from kd_ckpt import compat, streaming  # pylint: disable=g-import-not-at-top
+  m1, _ = states.meshes()
+  x = states.filled((8 * 16, 5), NS(m1, P()), seed=9)  # replicated over 8 devices
+  host = np.asarray(x)
+  pieces = reuse._write_set(x, 0, True, None, None)
+  assert sorted(g[0].start for _, _, g in pieces) == list(range(0, 128, 16))
+  for data, src, glob in pieces:
+    assert (np.asarray(data)[src] == host[glob]).all()
+  rslices = compat.orbax.get_replica_slices(x, 0, True, None, None).replica_slices
+  assert sorted(streaming._region(r, x.shape)[0].start for r in rslices) == list(range(0, 128, 16))

@@ -95,6 +95,10 @@ def _case(rng, seed: int) -> dict:
       mixed=bool(np.random.default_rng([seed, 2]).random() < 0.4),
       # A restore with strict=False onto other extents (`tests.states.reshaped`).
       loose=bool(np.random.default_rng([seed, 4]).random() < 0.25),
+      # kd_ckpt writers: the save fingerprints, after a save of the state with
+      # every other array leaf zeroed, which it reuses where unchanged
+      # (`tests.states` worker `reuse`: both saves held to the budget).
+      reuse=bool(np.random.default_rng([seed, 6]).random() < 0.3),
   )
 
 
@@ -206,6 +210,7 @@ def run_case(states, case: dict, root: str, tolerance: int, verbose: bool,
   local = not path.startswith('gs://')
   if local:
     shutil.rmtree(path, ignore_errors=True)
+    shutil.rmtree(path + '.prev', ignore_errors=True)
   kauldron, writer = case.get('kauldron'), case['writer']
   if processes > 1:
     of = f' (most of {processes})'
@@ -219,7 +224,8 @@ def run_case(states, case: dict, root: str, tolerance: int, verbose: bool,
     stock = lambda: _run(states, ['stock', path, state, total])
     save = lambda budget: _run(states, (
         ['ckpt', path, state, total, 'auto', str(budget)] if kauldron
-        else ['save', path, state, total, writer, str(budget)]))
+        else ['reuse' if case.get('reuse') else 'save', path, state, total, writer,
+              str(budget)]))
     restore = lambda budget, env: _run(states, ['restore', path, state, total, str(budget)]
                                        + (['ckpt'] if kauldron else []), env=env)
   if kauldron:
@@ -263,6 +269,7 @@ def run_case(states, case: dict, root: str, tolerance: int, verbose: bool,
                     f'its budget {rbudget / MiB:.1f} MiB')
   if local:
     shutil.rmtree(path, ignore_errors=True)
+    shutil.rmtree(path + '.prev', ignore_errors=True)
   if verbose or problems:
     print('   ', '; '.join(notes), flush=True)
   return problems
@@ -299,9 +306,10 @@ def main(argv=None) -> int:
   for seed in seeds:
     case = _case(np.random.default_rng(10_000_019 + seed), seed)
     if args.processes > 1:
-      case.update(kauldron=False, loose=False)
+      case.update(kauldron=False, loose=False, reuse=False)
     line = (f"seed {seed}: {'mixed ' if case['mixed'] else ''}{case['total_bytes'] / MiB:.1f} MiB, "
-            f"{'SafeCheckpointer' if case['kauldron'] else case['writer']} "
+            f"{'SafeCheckpointer' if case['kauldron'] else case['writer']}"
+            f"{' reusing' if case['reuse'] and not case['kauldron'] and case['writer'] != 'stock' else ''} "
             f"@{case['save_budget'] / MiB:.1f} MiB, restore "
             f"{'copying' if case['copying'] else 'shared'}{' resharded' if case['reshard'] else ''}"
             f"{' strict=False' if case['loose'] and not case['kauldron'] else ''}"
