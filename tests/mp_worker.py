@@ -317,12 +317,14 @@ def _save_api(argv) -> dict:
 
 
 def _save_reuse(argv) -> dict:
-  """Two `kd_ckpt.save`s of the global state, the second reusing the first.
+  """Two `kd_ckpt.save`s, the second of the global state, reusing the first.
 
-  Each process fingerprints its own shards (one device program per leaf
-  shape over its 4 devices, `fingerprint._spmd_lane_sums`); every array
-  leaf is unchanged, so the second save writes none of them, and both
-  checkpoints restore bit-exact.
+  The first saves the state with its replicated leaves zeroed (written as
+  zero chunks, each process its replica-parallel part), the second the state
+  itself: each process fingerprints its own shards (one device program per
+  leaf shape over its 4 devices, `fingerprint._spmd_lane_sums`), reuses the
+  unchanged leaves and writes the others.  Both checkpoints restore
+  bit-exact on both processes.
   """
   path, strategy, budget, pid, nproc, port = argv
   pid, nproc = int(pid), int(nproc)
@@ -337,19 +339,26 @@ def _save_reuse(argv) -> dict:
   state = build_state()
   abstract = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+  zeroed = [n for n, (_, _, kind, _) in LEAVES.items() if kind != 'x8']
+  prev = {**state, **{n: jax.jit(jax.numpy.zeros_like, out_shardings=state[n].sharding)(state[n])
+                      for n in zeroed}}
   programs = reuse.fingerprint_programs(state)
   out = {'process_index': pid, 'programs': programs, 'saves': []}
-  for name, reuse_from in (('a', None), ('b', 'a')):
+  for name, item, reuse_from in (('a', prev, None), ('b', state, 'a')):
     multihost_utils.sync_global_devices(f'kd_ckpt_mp_reuse_{name}')
     with hostmem.PeakRss() as peak:
-      report = kd_ckpt.save(os.path.join(path, name), state, strategy=strategy,
+      report = kd_ckpt.save(os.path.join(path, name), item, strategy=strategy,
                             host_ram_budget=int(budget), fingerprint=True,
                             reuse_from=reuse_from and os.path.join(path, reuse_from))
     out['saves'].append({'peak_extra_bytes': peak.extra_bytes,
                          'leaves_reused': report.leaves_reused})
     multihost_utils.sync_global_devices(f'kd_ckpt_mp_reuse_{name}_saved')
-    check_shards(kd_ckpt.restore(os.path.join(path, name), abstract,
-                                 host_ram_budget=int(budget)), f'restore of {name}')
+    back = kd_ckpt.restore(os.path.join(path, name), abstract, host_ram_budget=int(budget))
+    if item is prev:
+      for n in zeroed:
+        assert all(not np.asarray(s.data).any() for s in back[n].addressable_shards), n
+      back = {**back, **{n: state[n] for n in zeroed}}
+    check_shards(back, f'restore of {name}')
   out['programs_after'] = reuse.fingerprint_programs(state)
   multihost_utils.sync_global_devices('kd_ckpt_mp_reuse_done')
   return out
