@@ -55,6 +55,9 @@ from tests import states
 # kd_ckpt's budget per strategy: streaming at 32 MiB cuts the 8 MiB leaf into
 # 1 MiB slices (see _mid_slice); orbax under 'auto' is Orbax's async save.
 BUDGETS = {'orbax': 'auto', 'streaming': '32MiB'}
+# A reusing save also pays for the programs its fingerprints compile (8 here,
+# `reuse.fingerprint_programs`: 12 MiB charged), which 32 MiB cannot hold.
+REUSE_BUDGETS = {**BUDGETS, 'streaming': '48MiB'}
 BIG_SHAPE = (2048, 1024)  # f32, 8 MiB, on one device
 KILLED_STEP = 2  # `save` mode: steps 0 and 1 complete, dies saving step 2
 KILL_MARK = 'CRASH_WORKER KILL'
@@ -111,7 +114,8 @@ def checkpointer(workdir, strategy: str, reuse: bool = False):
   startup.start_compiler()
   return kd_ckpt.SafeCheckpointer(
       workdir=os.fspath(workdir), save_interval_steps=1,
-      host_ram_budget=BUDGETS[strategy], strategy=strategy, reuse_unchanged=reuse)
+      host_ram_budget=(REUSE_BUDGETS if reuse else BUDGETS)[strategy], strategy=strategy,
+      reuse_unchanged=reuse)
 
 
 # --- Kill points -----------------------------------------------------------
@@ -247,8 +251,8 @@ def _save(api: str, strategy: str, point: str, directory: str) -> None:
     def save(step, tree):
       prev = os.path.join(directory, str(step - 1)) if reuse and step else None
       kd_ckpt.save(os.path.join(directory, str(step)), tree,
-                   host_ram_budget=BUDGETS[strategy], strategy=strategy,
-                   fingerprint=reuse, reuse_from=prev)
+                   host_ram_budget=(REUSE_BUDGETS if reuse else BUDGETS)[strategy],
+                   strategy=strategy, fingerprint=reuse, reuse_from=prev)
   else:
     raise SystemExit(f'unknown api {api!r}')
   for step in range(KILLED_STEP + 1):
