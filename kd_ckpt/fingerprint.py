@@ -215,9 +215,10 @@ def _groups(pieces: Sequence[Piece]) -> list[tuple[tuple, list]]:
   (a sharded leaf's shards, a replicated leaf's replica-parallel parts) go
   to one program over those devices (`_spmd_lane_sums`): XLA compiles one
   program per device set rather than one per device (30 leaf shapes over 8
-  CPU devices: 30 programs kept 26.4 MiB and took 3.1 s, against 240, 102
-  MiB and 16.6 s; `bench/fingerprint_programs.py`).  Zero-size sub-pieces
-  need no program (key None).
+  CPU devices: 30 programs kept 26.1 MiB and took 2.4 s, against 240, 102
+  MiB and 12.8 s; a later hash of the same leaves, 0.055 s against 0.031:
+  `bench/fingerprint_programs.py`).  Zero-size sub-pieces need no program
+  (key None).
   """
   by_kind: dict[tuple, list] = {}
   out = []
@@ -276,35 +277,59 @@ def _dispatch(pieces: Sequence[Piece]) -> list:
     if len(members) == 1:
       [(array, src, glob)] = members
       lanes = [_lane_sums(array, np.array([s.start for s in src], np.int32), sizes)]
+      lanes[0].copy_to_host_async()
     else:
       lanes = _spmd_lane_sums(members, sizes)
     for lane, (array, _, glob) in zip(lanes, members):
-      lane.copy_to_host_async()
       pending.append((array.dtype, glob, lane))
     with _compiled_lock:
       _compiled.add(key)
   return pending
 
 
-def _spmd_lane_sums(members: list, sizes: tuple[int, ...]) -> list[jax.Array]:
+def _spmd_lane_sums(members: list, sizes: tuple[int, ...]) -> list:
   """`_lane_sums` of sub-pieces on distinct devices, as one program over them.
 
   The arrays (each of one shape, on its own device) are laid side by side
   along axis 0 of one global array, without a copy, and each device hashes
   its own box: the lanes are the same numbers `_lane_sums` gives each piece.
+  Returns each member's lanes (`_Row`s of the program's (k, 4) result).
   """
   arrays = [a for a, _, _ in members]
-  mesh = jax.sharding.Mesh(np.array([next(iter(a.devices())) for a in arrays]), ('d',))
-  rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('d'))
+  mesh, rows = _side_by_side(tuple(next(iter(a.devices())) for a in arrays))
   shape = tuple(arrays[0].shape)
   side_by_side = jax.make_array_from_single_device_arrays(
       (len(arrays) * shape[0],) + shape[1:], rows, arrays)
-  starts = jax.device_put(
-      np.array([[s.start for s in src] for _, src, _ in members], np.int32), rows)
-  out = _spmd_program(side_by_side, starts, sizes, mesh)
-  # Each device's (1, 4) row, left as it is: reshaping on the device would
-  # compile; `_mix` reads the same 16 bytes.
-  return [shard.data for shard in sorted(out.addressable_shards, key=lambda s: s.index[0].start)]
+  out = _spmd_program(side_by_side, _starts(rows, tuple(tuple(s.start for s in src)
+                                                         for _, src, _ in members)),
+                      sizes, mesh)
+  out.copy_to_host_async()  # read once every leaf is dispatched (`_collect`)
+  return [_Row(out, i) for i in range(len(members))]
+
+
+@functools.lru_cache(maxsize=None)
+def _side_by_side(devices: tuple) -> tuple:
+  """The mesh and row sharding laying one array per device along axis 0."""
+  mesh = jax.sharding.Mesh(np.array(devices), ('d',))
+  return mesh, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('d'))
+
+
+@functools.lru_cache(maxsize=4096)
+def _starts(rows, starts: tuple) -> jax.Array:
+  """Each device's box start, on its device (a few bytes, kept: saves repeat them)."""
+  return jax.device_put(np.array(starts, np.int32), rows)
+
+
+class _Row:
+  """Row `i` of a program's (k, 4) lanes, read on the host when collected."""
+
+  def __init__(self, out: jax.Array, i: int):
+    self.out, self.i = out, i
+
+  def __array__(self, dtype=None, copy=None):
+    del copy
+    row = np.asarray(self.out)[self.i]  # one host copy of `out`, cached on it
+    return row if dtype is None else row.astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnames=('sizes', 'mesh'))
