@@ -217,17 +217,31 @@ def fingerprint_programs(tree: Any) -> int:
       continue
     if arr.nbytes < DEVICE_MIN_BYTES:
       continue  # A write set holds each element once at most: hashed on the host.
-    if tree_lib.is_prng_key(arr):
-      arr = jax.random.key_data(arr)  # what the save hashes (`stored_values`)
-    itemsize = np.dtype(arr.dtype).itemsize
-    # (use_replica_parallel, min_slice_bytes): Orbax's writer either way
-    # (`handler.SafePyTreeHandler.async_save`), then the streaming writer's.
-    for replica_parallel, min_slice in ((True, None), (False, None),
-                                        (jax.process_count() > 1, cost.MIN_REPLICA_PARALLEL_BYTES)):
-      pieces = _write_set(arr, 0, replica_parallel, min_slice, None)
-      if sum(slicing.nbytes(src, itemsize) for _, src, _ in pieces) >= DEVICE_MIN_BYTES:
-        keys |= fingerprint_lib.program_keys(pieces)
+    # The programs depend on the leaf's layout only: worked out once per
+    # layout (0.2-0.3 s a save for 400 leaves otherwise).
+    layout = (arr.shape, arr.dtype, bool(getattr(arr, 'weak_type', False)), arr.sharding)
+    if layout not in _PROGRAMS_BY_LAYOUT:
+      _PROGRAMS_BY_LAYOUT[layout] = frozenset(_leaf_programs(
+          jax.random.key_data(arr) if tree_lib.is_prng_key(arr) else arr))  # as `stored_values`
+    keys |= _PROGRAMS_BY_LAYOUT[layout]
   return len(fingerprint_lib.new_programs(keys))
+
+
+_PROGRAMS_BY_LAYOUT: dict[tuple, frozenset] = {}
+
+
+def _leaf_programs(arr: jax.Array) -> set:
+  """`fingerprint_programs`' keys for one leaf, over every way of cutting it."""
+  itemsize = np.dtype(arr.dtype).itemsize
+  keys = set()
+  # (use_replica_parallel, min_slice_bytes): Orbax's writer either way
+  # (`handler.SafePyTreeHandler.async_save`), then the streaming writer's.
+  for replica_parallel, min_slice in ((True, None), (False, None),
+                                      (jax.process_count() > 1, cost.MIN_REPLICA_PARALLEL_BYTES)):
+    pieces = _write_set(arr, 0, replica_parallel, min_slice, None)
+    if sum(slicing.nbytes(src, itemsize) for _, src, _ in pieces) >= DEVICE_MIN_BYTES:
+      keys |= fingerprint_lib.program_keys(pieces)
+  return keys
 
 
 def _write_set(arr: jax.Array, replica_id, use_replica_parallel, min_slice_bytes,
