@@ -433,7 +433,7 @@ def plan_from_estimate(
   if fingerprint_programs:
     startup_note += (
         f' Its fingerprints (reuse) compile {fingerprint_programs} programs on the'
-        ' devices, one per leaf shape and device, which XLA keeps for the life of'
+        ' devices, one per leaf shape and device set, which XLA keeps for the life of'
         f' the process ({text.format_bytes(cost.fingerprint_programs_charge(fingerprint_programs))}'
         ' charged); later saves of the same tree compile none. Saving without'
         ' reuse (or fingerprint) spends none.')
