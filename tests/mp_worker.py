@@ -319,11 +319,12 @@ def _save_api(argv) -> dict:
 def _save_reuse(argv) -> dict:
   """Two `kd_ckpt.save`s, the second of the global state, reusing the first.
 
-  The first saves the state with its replicated leaves zeroed (written as
-  zero chunks, each process its replica-parallel part), the second the state
+  The first saves the state with its fully replicated leaves zeroed (zero
+  chunks, each process its replica-parallel part), the second the state
   itself: each process fingerprints its own shards (one device program per
   leaf shape over its 4 devices, `fingerprint._spmd_lane_sums`), reuses the
-  unchanged leaves and writes the others.  Both checkpoints restore
+  unchanged leaves (the sharded one, and the one whose replicas the
+  processes split) and writes the others.  Both checkpoints restore
   bit-exact on both processes.
   """
   path, strategy, budget, pid, nproc, port = argv
@@ -339,7 +340,10 @@ def _save_reuse(argv) -> dict:
   state = build_state()
   abstract = jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
-  zeroed = [n for n, (_, _, kind, _) in LEAVES.items() if kind != 'x8']
+  # Zeroed: the leaves replicated everywhere.  Kept: 'sharded' and 'bf16',
+  # whose replicas the two processes split (each writes half of a shard):
+  # reusing 'bf16' is what lost the second process's chunks before.
+  zeroed = [n for n, (_, _, kind, _) in LEAVES.items() if kind == 'rep']
   prev = {**state, **{n: jax.jit(jax.numpy.zeros_like, out_shardings=state[n].sharding)(state[n])
                       for n in zeroed}}
   programs = reuse.fingerprint_programs(state)
