@@ -78,8 +78,27 @@ LINK_DIR = 'kd_ckpt.reuse'
 MAX_GENERATIONS = 24
 # Leaves whose write set is smaller than this are fingerprinted on the host
 # (blake2b of the bytes): a device hash compiles once per shape, which for a
-# model's many small leaves costs more than copying them.
+# model's many small leaves costs more than copying them.  What counts is
+# what the host hash would copy (`host_fetch_bytes`), so it copies less.
 DEVICE_MIN_BYTES = 1 << 20
+
+
+def _host_copy_free(data) -> bool:
+  # On the CPU backend `np.asarray` of a shard is a view: the host hash copies
+  # only its piece.  Elsewhere `device_get` fetches the whole shard.
+  return all(d.platform == 'cpu' for d in data.devices())
+
+
+def host_fetch_bytes(pieces, itemsize: int) -> int:
+  """Host bytes `_host_fingerprint` would copy: a replica-parallel part of a
+  shard on a GPU fetches the whole shard (up to its replica count times the
+  part), and the bytes the device hash should take over from it."""
+  return sum(slicing.nbytes(src, itemsize) if _host_copy_free(data) else int(data.nbytes)
+             for data, src, _ in pieces)
+
+
+def _hashed_on_device(pieces, itemsize: int) -> bool:
+  return host_fetch_bytes(pieces, itemsize) >= DEVICE_MIN_BYTES
 
 
 def file_name(process_index: int) -> str:
@@ -215,8 +234,10 @@ def fingerprint_programs(tree: Any) -> int:
   for arr in jax.tree_util.tree_leaves(tree):
     if not isinstance(arr, jax.Array):
       continue
-    if arr.nbytes < DEVICE_MIN_BYTES:
-      continue  # A write set holds each element once at most: hashed on the host.
+    if arr.nbytes < DEVICE_MIN_BYTES and _host_copy_free(arr):
+      # A write set holds each element once at most: hashed on the host.  (On
+      # a GPU its parts may each fetch a whole replica: `host_fetch_bytes`.)
+      continue
     # The programs depend on the leaf's layout only: worked out once per
     # layout (0.2-0.3 s a save for 400 leaves otherwise).
     layout = (arr.shape, arr.dtype, bool(getattr(arr, 'weak_type', False)), arr.sharding)
@@ -239,7 +260,7 @@ def _leaf_programs(arr: jax.Array) -> set:
   for replica_parallel, min_slice in ((True, None), (False, None),
                                       (jax.process_count() > 1, cost.MIN_REPLICA_PARALLEL_BYTES)):
     pieces = _write_set(arr, 0, replica_parallel, min_slice, None)
-    if sum(slicing.nbytes(src, itemsize) for _, src, _ in pieces) >= DEVICE_MIN_BYTES:
+    if _hashed_on_device(pieces, itemsize):
       keys |= fingerprint_lib.program_keys(pieces)
   return keys
 
@@ -309,7 +330,7 @@ def fingerprint_leaves(handler, arrays, infos) -> list[Record]:
     known = _RECORDS.get(arr, base)
     if known is not None:
       records.append(known)
-    elif nbytes >= DEVICE_MIN_BYTES:
+    elif _hashed_on_device(pieces, itemsize):
       device_jobs.append((len(records), pieces, base))
       records.append(None)
     else:

@@ -466,3 +466,46 @@ def test_replica_parallel_parts_are_recorded_where_they_are():
     assert (np.asarray(data)[src] == host[glob]).all()
   rslices = compat.orbax.get_replica_slices(x, 0, True, None, None).replica_slices
   assert sorted(streaming._region(r, x.shape)[0].start for r in rslices) == list(range(0, 128, 16))
+
+
+def test_a_host_hash_never_fetches_a_megabyte(monkeypatch):
+  """Where `device_get` copies (a GPU), the host hash of a replica-parallel
+  part fetches its whole shard: a replicated 256 KiB leaf over 8 devices was
+  2 MiB fetched for 256 KiB hashed, uncharged.  Such a leaf is hashed on
+  device instead, and its program is counted.  (The CPU backend's view is
+  made to copy here; on it, each part alone is copied and hashed on the host.)"""
+  m1, _ = states.meshes()
+  rep = states.filled((8 * 64, 128), NS(m1, P()), seed=3)   # 256 KiB, 8 replicas
+  tiny = states.filled((8, 16), NS(m1, P()), seed=4)
+  handler = ocp.type_handlers.ArrayHandler(replica_id=0, use_replica_parallel=True)
+  assert len(reuse.write_set(handler, rep)) == 8
+  fetched, hashed = [], []
+  host_fingerprint, many = reuse._host_fingerprint, reuse.fingerprint_lib.fingerprint_many
+
+  def spy_host(dtype, pieces):
+    fetched.append(reuse.host_fetch_bytes(pieces, np.dtype(dtype).itemsize))
+    return host_fingerprint(dtype, pieces)
+
+  def spy_many(leaves):
+    hashed.extend(leaves)
+    return many(leaves)
+
+  monkeypatch.setattr(reuse, '_host_fingerprint', spy_host)
+  monkeypatch.setattr(reuse.fingerprint_lib, 'fingerprint_many', spy_many)
+  on_cpu = reuse.fingerprint_leaves(handler, [rep, tiny], None)
+  assert [r.method for r in on_cpu] == ['host', 'host'] and fetched == [256 * 1024, 512] and not hashed
+  assert reuse.fingerprint_programs({'rep': rep, 'tiny': tiny}) == 0
+
+  monkeypatch.setattr(reuse, '_host_copy_free', lambda data: False)
+  fetched.clear()
+  assert reuse.fingerprint_programs({'rep': rep, 'tiny': tiny}) >= 1  # counted before it compiles
+  fresh = [states.filled((8 * 64, 128), NS(m1, P()), seed=3),   # not the cached arrays
+           states.filled((8, 16), NS(m1, P()), seed=4)]
+  copying = reuse.fingerprint_leaves(handler, fresh, None)
+  assert [r.method for r in copying] == ['device', 'host']
+  assert fetched == [8 * 512], fetched                 # the tiny leaf's 8 replicas
+  assert [len(pieces) for pieces in hashed] == [8]     # the big one's 8 parts, on device
+  # Another method is another fingerprint (a previous checkpoint's leaf is
+  # written again once); the same method, the same one.
+  assert copying[0].fingerprint != on_cpu[0].fingerprint
+  assert copying[1].fingerprint == on_cpu[1].fingerprint
