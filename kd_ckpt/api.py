@@ -106,6 +106,7 @@ def restore(
     verify: bool = False,
     allow_unchecked: bool = False,
     strict: bool = True,
+    support_layout: bool = False,
 ) -> Any:
   """Restores a checkpoint as stock Orbax does, within a host-RAM budget.
 
@@ -132,6 +133,12 @@ def restore(
       `--allow-unchecked`; by default they refuse the restore.
     strict: False lets a target's shapes differ (padding or truncating), as
       Orbax's `StandardRestore(strict=False)`.
+    support_layout: place arrays onto the layouts their target gives
+      (`jax.ShapeDtypeStruct(..., sharding=Format(layout, sharding))`), as
+      Orbax's `StandardRestore(support_layout=True)`; by default the target's
+      layout is dropped and arrays take the default one, as in Orbax.  The
+      relayout is a compiled program: a process that has not compiled yet
+      starts the compiler inside the budget, before anything is read.
 
   Returns:
     The restored pytree.
@@ -160,5 +167,5 @@ def restore(
           ' unverified, or verify=False.')
   h = handler_lib.SafePyTreeHandler(host_ram_budget=host_ram_budget)
   return h.restore(path, args=handler_lib.SafeRestore(
-      item=target, strict=strict, host_ram_budget=host_ram_budget,
-      storage_startup_bytes=paid))
+      item=target, strict=strict, support_layout=support_layout,
+      host_ram_budget=host_ram_budget, storage_startup_bytes=paid))

@@ -302,11 +302,12 @@ def test_a_cold_restore_that_compiles_nothing_pays_no_start_up(tmp_path, state):
 
 
 @pytest.mark.slow
-def test_a_cold_restore_onto_a_custom_layout_pays_the_start_up_first(tmp_path):
+@pytest.mark.parametrize('way', ['orbax', 'kd_ckpt'])
+def test_a_cold_restore_onto_a_custom_layout_pays_the_start_up_first(tmp_path, way):
   """Placing onto a custom layout compiles a relayout: a fresh process that
-  restores onto one (Orbax's `support_layout`, inside `within_budget`)
-  starts the compiler before it reads, inside the budget, and no compile
-  runs before that."""
+  restores onto one (`support_layout`: Orbax's inside `within_budget`, or
+  `kd_ckpt.restore`'s) starts the compiler before it reads, inside the
+  budget, and no compile runs before that."""
   import subprocess, sys, json as json_lib  # pylint: disable=g-import-not-at-top,multiple-imports
   env = {**os.environ, 'JAX_PLATFORMS': 'cpu',
          'XLA_FLAGS': '--xla_force_host_platform_device_count=8'}
@@ -330,10 +331,12 @@ m = Mesh(np.array(jax.devices()), ("x",))
 fmt = layout.Format(layout.Layout(major_to_minor=(1, 0)), NS(m, P("x")))  # column-major
 target = {"w": jax.ShapeDtypeStruct((64, 1031), np.float32, sharding=fmt)}
 with hostmem.PeakRss() as peak:
-  # Orbax honours a target's layout with `support_layout` (kd_ckpt.restore does not ask it).
-  with kd_ckpt.within_budget(96 << 20):
-    back = ocp.Checkpointer(ocp.StandardCheckpointHandler()).restore(
-        sys.argv[1], args=ocp.args.StandardRestore(target, support_layout=True))
+  if sys.argv[2] == "orbax":
+    with kd_ckpt.within_budget(96 << 20):
+      back = ocp.Checkpointer(ocp.StandardCheckpointHandler()).restore(
+          sys.argv[1], args=ocp.args.StandardRestore(target, support_layout=True))
+  else:
+    back = kd_ckpt.restore(sys.argv[1], target, host_ram_budget=96 << 20, support_layout=True)
   jax.block_until_ready(back)
 want = np.arange(64 * 1031, dtype=np.float32).reshape(64, 1031)
 print(json.dumps({"unpaid": unpaid[0], "started": startup._started, "peak": peak.extra_bytes,
@@ -342,7 +345,7 @@ print(json.dumps({"unpaid": unpaid[0], "started": startup._started, "peak": peak
 """
   d = str(tmp_path / 'c')
   for code in (save, restore):
-    proc = subprocess.run([sys.executable, '-c', code, d], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, '-c', code, d, way], capture_output=True, text=True,
                           timeout=300, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert proc.returncode == 0, proc.stderr[-3000:]
   r = json_lib.loads(proc.stdout.strip().splitlines()[-1])
