@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Any, Literal, Protocol, Sequence
+from typing import Any, Literal, Mapping, Protocol, Sequence
 
 from kd_ckpt import budget as budget_lib
 from kd_ckpt import cost
@@ -201,7 +201,8 @@ class SavePlan:
       one-time XLA compiler start-up (`kd_ckpt.startup`): part of the peak,
       so the rest of the save plans with the budget less this.
     fingerprint_programs: device programs this save's fingerprints (reuse)
-      compile, which XLA keeps (`reuse.fingerprint_programs`): charged
+      compile the way it saves, which XLA keeps
+      (`reuse.fingerprint_programs_by_way`): charged
       `cost.FINGERPRINT_PROGRAM_BYTES` each, like the start-up.
     why: why this way was chosen, one line.
   """
@@ -335,14 +336,25 @@ def strategies_for(platform: str) -> list[SaveStrategy]:
   return out
 
 
-def candidates_for(est: estimate_lib.TreeEstimate, budget_bytes: int) -> list[Candidate]:
+def candidates_for(est: estimate_lib.TreeEstimate, budget_bytes: int,
+                   reserved_by_way: Mapping[str, int] | None = None) -> list[Candidate]:
   """Each strategy's prediction; in a multi-process job, agreed by all processes.
 
-  A candidate fits only where it fits on every process, and Orbax variants
-  are ranked by the busiest process (collective when
-  `est.process_count > 1`; `budget_bytes` must be the same everywhere).
+  `reserved_by_way`: budget already spent, or to be spent outside the
+  saves' limiter, by each of `WAYS` (start-up, fingerprint programs): a
+  candidate is predicted with the budget less its way's, and its
+  prediction includes it.  A candidate fits only where it fits on every
+  process, and Orbax variants are ranked by the busiest process (collective
+  when `est.process_count > 1`; `budget_bytes` and `reserved_by_way` must be
+  the same everywhere).
   """
-  cands = [s.predict(est, budget_bytes) for s in strategies_for(est.platform)]
+  cands = []
+  for s in strategies_for(est.platform):
+    r = (reserved_by_way or {}).get(_way(s), 0)
+    c = s.predict(est, budget_bytes - r)
+    cands.append(dataclasses.replace(  # fits: within what is left
+        c, predicted_peak_bytes=c.predicted_peak_bytes + r,
+        worst_peak_bytes=c.worst_peak_bytes + r))
   if est.process_count > 1:
     rows = exchange.agree(
         [x for c in cands for x in (c.predicted_peak_bytes, c.written_bytes, int(c.fits))],
@@ -403,40 +415,75 @@ def _small_leaves(est: estimate_lib.TreeEstimate) -> bool:
           and est.global_bytes <= STREAM_LEAVES_UP_TO_BYTES * est.num_leaves)
 
 
+# How a save cuts replicated leaves, which decides what its fingerprints
+# compile (`reuse.fingerprint_programs_by_way`): Orbax's writer either way,
+# or the streaming writer.
+WAYS = ('replica_parallel', 'single_replica', 'streaming')
+
+
+def way_of(c: Candidate) -> str:
+  """The `WAYS` entry a candidate saves by."""
+  if c.orbax is None:
+    return 'streaming'
+  return 'replica_parallel' if c.orbax.use_replica_parallel else 'single_replica'
+
+
+def _way(s: SaveStrategy) -> str:
+  if isinstance(s, OrbaxAsync):
+    return 'replica_parallel' if s.use_replica_parallel else 'single_replica'
+  return 'streaming'
+
+
+def _programs_by_way(fingerprint_programs: int | Mapping[str, int]) -> dict[str, int]:
+  if isinstance(fingerprint_programs, Mapping):
+    unknown = set(fingerprint_programs) - set(WAYS)
+    if unknown:
+      raise ValueError(f'fingerprint_programs has unknown ways {sorted(unknown)}: the ways'
+                       f' are {list(WAYS)} (`reuse.fingerprint_programs_by_way`).')
+    return {w: max(0, int(fingerprint_programs.get(w, 0))) for w in WAYS}
+  return dict.fromkeys(WAYS, max(0, int(fingerprint_programs)))
+
+
 def plan_from_estimate(
     est: estimate_lib.TreeEstimate, *, budget_bytes: int, budget_text: str = '',
-    strategy: str = 'auto', startup_bytes: int = 0, fingerprint_programs: int = 0,
+    strategy: str = 'auto', startup_bytes: int = 0,
+    fingerprint_programs: int | Mapping[str, int] = 0,
     blocking: bool = True) -> SavePlan:
   """Chooses among `candidates_for(est)`; raises BudgetTooSmallError if none fits.
 
   `startup_bytes` were already spent by this save (`kd_ckpt.startup`), and
-  its `fingerprint_programs` will be kept by XLA (`plan_save`): the
-  candidates share what is left, and their predictions include both.
+  its `fingerprint_programs` will be kept by XLA (`plan_save`; one count,
+  or one for each of `WAYS`): each candidate shares what is left after its
+  own, and its prediction includes both.
   `blocking`: the save returns only once durable (`plan_save`).
   """
   check_strategy(strategy)
   startup_bytes = max(0, int(startup_bytes))
-  fingerprint_programs = max(0, int(fingerprint_programs))
-  reserved = startup_bytes + cost.fingerprint_programs_charge(fingerprint_programs)
-  cands = [dataclasses.replace(  # fits: within what is left
-      c, predicted_peak_bytes=c.predicted_peak_bytes + reserved,
-      worst_peak_bytes=c.worst_peak_bytes + reserved)
-           for c in candidates_for(est, budget_bytes - reserved)]
+  programs = _programs_by_way(fingerprint_programs)
+  reserved_by_way = {w: startup_bytes + cost.fingerprint_programs_charge(n)
+                     for w, n in programs.items()}
+  # Each way is predicted with the budget its own programs leave (a way a
+  # previous save took compiles nothing new; the others may).
+  cands = candidates_for(est, budget_bytes, reserved_by_way)
   stream = next(c for c in cands if c.strategy == 'streaming')
   best_orbax = _best_orbax(cands, budget_bytes)
-  startup_note = (
-      f' This save first paid {text.format_bytes(startup_bytes)} for one-time'
-      ' start-up (XLA\'s compiler start-up at the first compile of the ops kd_ckpt'
-      ' uses in this process, and the storage clients at its first gs:// access); a'
-      ' process that has compiled a training step and touched its bucket pays'
-      ' almost none of it.' if startup_bytes else '')
-  if fingerprint_programs:
-    startup_note += (
-        f' Its fingerprints (reuse) compile {fingerprint_programs} programs on the'
-        ' devices, one per leaf shape and device set, which XLA keeps for the life of'
-        f' the process ({text.format_bytes(cost.fingerprint_programs_charge(fingerprint_programs))}'
-        ' charged); later saves of the same tree compile none. Saving without'
-        ' reuse (or fingerprint) spends none.')
+
+  def startup_note(way: str) -> str:
+    note = (
+        f' This save first paid {text.format_bytes(startup_bytes)} for one-time'
+        ' start-up (XLA\'s compiler start-up at the first compile of the ops kd_ckpt'
+        ' uses in this process, and the storage clients at its first gs:// access); a'
+        ' process that has compiled a training step and touched its bucket pays'
+        ' almost none of it.' if startup_bytes else '')
+    if programs[way]:
+      note += (
+          f' Its fingerprints (reuse) compile {programs[way]} programs on the'
+          ' devices, one per leaf shape and device set, which XLA keeps for the life of'
+          f' the process ({text.format_bytes(cost.fingerprint_programs_charge(programs[way]))}'
+          ' charged); later saves of the same tree compile none. Saving without'
+          ' reuse (or fingerprint) spends none.')
+    return note
+
   empty = [l.path for l in est.leaves if l.is_array and 0 in l.shape]
   if empty and strategy == 'orbax':
     # Orbax 0.12 refuses zero-size arrays; the streaming writer stores them
@@ -456,7 +503,7 @@ def plan_from_estimate(
           f' ({text.format_bytes(budget_bytes)}). Use strategy="auto" or'
           f' "streaming" (bounded), or raise host_ram_budget to'
           f' {text.budget_literal(cost.suggested_budget_bytes(choice.worst_peak_bytes, startup_bytes))}'
-          f' or more.{startup_note}')
+          f' or more.{startup_note(way_of(choice))}')
     why = "strategy='orbax' asked for, and its worst case fits"
   elif strategy == 'auto' and best_orbax is not None and best_orbax.fits and not (
       blocking and stream.fits and _streams_faster(est)):
@@ -472,6 +519,7 @@ def plan_from_estimate(
     else:
       why = 'no Orbax variant fits the budget in its worst case'
   else:
+    reserved = reserved_by_way['streaming']
     need = cost.min_budget_bytes(est.num_leaves) + reserved
     raise BudgetTooSmallError(
         f'host_ram_budget={budget_text or budget_bytes} resolves to'
@@ -482,7 +530,7 @@ def plan_from_estimate(
         f' for two {text.format_bytes(cost.MIN_SLICE_BYTES)} slices'
         + (f' and the {text.format_bytes(reserved)} below' if reserved else '') + '). Raise'
         f' host_ram_budget to {text.budget_literal(cost.suggested_budget_bytes(need, startup_bytes))}'
-        f' or more.{startup_note}')
+        f' or more.{startup_note("streaming")}')
   use_rp = choice.orbax.use_replica_parallel if choice.orbax else True
   return SavePlan(
       strategy=choice.strategy, budget_bytes=budget_bytes,
@@ -493,7 +541,7 @@ def plan_from_estimate(
       largest_leaf_bytes=max((l.global_bytes for l in est.leaves), default=0),
       orbax=choice.orbax, layout=choice.layout, candidates=tuple(cands),
       estimate=est, platform=est.platform, startup_bytes=startup_bytes,
-      fingerprint_programs=fingerprint_programs, why=why)
+      fingerprint_programs=programs[way_of(choice)], why=why)
 
 
 def agreed_budget(spec: budget_lib.BudgetSpec, mem: hostmem.HostMemory | None,
@@ -522,7 +570,7 @@ def plan_save(
     memory: hostmem.HostMemory | None = None,
     platform: str | None = None,
     startup_bytes: int = 0,
-    fingerprint_programs: int = 0,
+    fingerprint_programs: int | Mapping[str, int] = 0,
     save_id=None,
     blocking: bool = True,
 ) -> SavePlan:
@@ -545,8 +593,10 @@ def plan_save(
       first save of a process that never ran a jit pays XLA's compiler
       start-up (~50 MiB) on top.
     fingerprint_programs: device programs the save's fingerprints will
-      compile (`reuse.fingerprint_programs`; saves with reuse pass it): each
-      is charged `cost.FINGERPRINT_PROGRAM_BYTES`, which XLA keeps.
+      compile, which XLA keeps: each is charged
+      `cost.FINGERPRINT_PROGRAM_BYTES`.  One count for every way to save, or
+      one for each of `WAYS` (`reuse.fingerprint_programs_by_way`, which
+      saves with reuse pass): each candidate is charged its own way's.
     save_id: the destination of the save this plans (saves pass it), which
       names its exchanges in a multi-process job.  None: a preflight.
     blocking: the save returns only once durable, as `kd_ckpt.save` does;
@@ -575,8 +625,10 @@ def plan_save(
     if est.process_count > 1:
       # Slices (the zarr chunks every process writes into) must be the same
       # everywhere: every process plans with the largest start-up.
-      startup_bytes, fingerprint_programs = (int(n) for n in exchange.agree(
-          [startup_bytes, fingerprint_programs], what='the start-up').max(axis=0))
+      programs = _programs_by_way(fingerprint_programs)
+      agreed = [int(n) for n in exchange.agree(
+          [startup_bytes] + [programs[w] for w in WAYS], what='the start-up').max(axis=0)]
+      startup_bytes, fingerprint_programs = agreed[0], dict(zip(WAYS, agreed[1:]))
     return plan_from_estimate(est, budget_bytes=budget_bytes, budget_text=spec.text,
                               startup_bytes=startup_bytes,
                               fingerprint_programs=fingerprint_programs,

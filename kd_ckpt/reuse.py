@@ -213,24 +213,48 @@ def write_set(handler, arr: jax.Array) -> list[tuple[Any, slicing.Box, slicing.B
                     o.min_slice_bytes_for_replica_parallel, o.max_replicas_for_replica_parallel)
 
 
-def fingerprint_programs(tree: Any) -> int:
-  """How many device programs fingerprinting `tree` will compile in this process.
+# How a save may cut a replicated leaf, as `plan.WAYS` names them:
+# (use_replica_parallel, min_slice_bytes) for Orbax's writer either way
+# (`handler.SafePyTreeHandler.async_save`), then the streaming writer's.
+def _ways() -> dict[str, tuple[bool, int | None]]:
+  return {'replica_parallel': (True, None), 'single_replica': (False, None),
+          'streaming': (jax.process_count() > 1, cost.MIN_REPLICA_PARALLEL_BYTES)}
+
+
+def fingerprint_programs_by_way(tree: Any) -> dict[str, int]:
+  """How many device programs fingerprinting `tree` will compile in this
+  process, for each way a save may cut its replicated leaves (`plan.WAYS`).
 
   XLA keeps each (`cost.FINGERPRINT_PROGRAM_BYTES`) for the life of the
-  process, outside any limiter: a save that fingerprints (reuse) plans with
-  its budget less their charge (`plan.plan_save(fingerprint_programs=)`).
-  One program per shape, dtype, box and device set of the pieces hashed on
-  device (`fingerprint.program_keys`), so a model's repeated layers share
-  theirs, and a later save of the same tree compiles none.  Counted for
-  every way a save may cut replicated leaves (Orbax's writer replica-parallel
-  or not, the streaming writer's: the plan picks one later), so never fewer
-  than the save compiles; a replicated leaf's other ways are charged again
-  at each save.
+  process, outside any limiter: a save that fingerprints (reuse) plans each
+  way with its budget less its own programs' charge
+  (`plan.plan_save(fingerprint_programs=)`).  One program per shape, dtype,
+  box and device set of the pieces hashed on device
+  (`fingerprint.program_keys`), so a model's repeated layers share theirs,
+  and a later save of the same tree compiles none for the way it took
+  before.
 
-    n = reuse.fingerprint_programs(state)  # 0 once a save of `state` fingerprinted it
+    by_way = reuse.fingerprint_programs_by_way(state)
+    by_way['streaming']  # 0 once a streaming save of `state` fingerprinted it
   """
+  keys = _program_keys_by_way(tree)
+  return {way: len(fingerprint_lib.new_programs(k)) for way, k in keys.items()}
+
+
+def fingerprint_programs(tree: Any) -> int:
+  """Device programs fingerprinting `tree` may compile, whichever way it is
+  cut (the union of `fingerprint_programs_by_way`): never fewer than a save
+  compiles.
+
+    n = reuse.fingerprint_programs(state)  # 0 once saves of `state` took every way
+  """
+  return len(fingerprint_lib.new_programs(set().union(*_program_keys_by_way(tree).values())))
+
+
+def _program_keys_by_way(tree: Any) -> dict[str, set]:
   from kd_ckpt import tree as tree_lib  # pylint: disable=g-import-not-at-top
-  keys = set()
+  ways = _ways()
+  keys = {way: set() for way in ways}
   for arr in jax.tree_util.tree_leaves(tree):
     if not isinstance(arr, jax.Array):
       continue
@@ -240,29 +264,26 @@ def fingerprint_programs(tree: Any) -> int:
       continue
     # The programs depend on the leaf's layout only: worked out once per
     # layout (0.2-0.3 s a save for 400 leaves otherwise).
-    layout = (arr.shape, arr.dtype, bool(getattr(arr, 'weak_type', False)), arr.sharding)
+    layout = (arr.shape, arr.dtype, bool(getattr(arr, 'weak_type', False)), arr.sharding,
+              jax.process_count())
     if layout not in _PROGRAMS_BY_LAYOUT:
-      _PROGRAMS_BY_LAYOUT[layout] = frozenset(_leaf_programs(
-          jax.random.key_data(arr) if tree_lib.is_prng_key(arr) else arr))  # as `stored_values`
-    keys |= _PROGRAMS_BY_LAYOUT[layout]
-  return len(fingerprint_lib.new_programs(keys))
-
-
-_PROGRAMS_BY_LAYOUT: dict[tuple, frozenset] = {}
-
-
-def _leaf_programs(arr: jax.Array) -> set:
-  """`fingerprint_programs`' keys for one leaf, over every way of cutting it."""
-  itemsize = np.dtype(arr.dtype).itemsize
-  keys = set()
-  # (use_replica_parallel, min_slice_bytes): Orbax's writer either way
-  # (`handler.SafePyTreeHandler.async_save`), then the streaming writer's.
-  for replica_parallel, min_slice in ((True, None), (False, None),
-                                      (jax.process_count() > 1, cost.MIN_REPLICA_PARALLEL_BYTES)):
-    pieces = _write_set(arr, 0, replica_parallel, min_slice, None)
-    if _hashed_on_device(pieces, itemsize):
-      keys |= fingerprint_lib.program_keys(pieces)
+      leaf = jax.random.key_data(arr) if tree_lib.is_prng_key(arr) else arr  # as `stored_values`
+      _PROGRAMS_BY_LAYOUT[layout] = {way: frozenset(_leaf_programs(leaf, *how))
+                                     for way, how in ways.items()}
+    for way, k in _PROGRAMS_BY_LAYOUT[layout].items():
+      keys[way] |= k
   return keys
+
+
+_PROGRAMS_BY_LAYOUT: dict[tuple, dict[str, frozenset]] = {}
+
+
+def _leaf_programs(arr: jax.Array, replica_parallel: bool, min_slice: int | None) -> set:
+  """The program keys of one leaf cut one way."""
+  pieces = _write_set(arr, 0, replica_parallel, min_slice, None)
+  if _hashed_on_device(pieces, np.dtype(arr.dtype).itemsize):
+    return fingerprint_lib.program_keys(pieces)
+  return set()
 
 
 def _write_set(arr: jax.Array, replica_id, use_replica_parallel, min_slice_bytes,

@@ -94,7 +94,7 @@ class MeasuredSave:
         tree, host_ram_budget=host_ram_budget, strategy=strategy,
         startup_bytes=(startup.start_compiler() if startup.compiles(tree) else 0)
         + startup.start_storage(directory),
-        fingerprint_programs=reuse_lib.fingerprint_programs(tree) if fingerprint else 0,
+        fingerprint_programs=reuse_lib.fingerprint_programs_by_way(tree) if fingerprint else 0,
         save_id=self.directory, blocking=blocking)
     self.stats = arrays_lib.SaveStats()
     self._contexts = {}

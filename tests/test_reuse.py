@@ -509,3 +509,36 @@ def test_a_host_hash_never_fetches_a_megabyte(monkeypatch):
   # written again once); the same method, the same one.
   assert copying[0].fingerprint != on_cpu[0].fingerprint
   assert copying[1].fingerprint == on_cpu[1].fingerprint
+
+
+def test_a_later_save_is_charged_only_the_programs_its_way_compiles(tmp_path):
+  """A replicated leaf's fingerprint programs depend on how the save cuts it
+  (Orbax's writer replica-parallel or not, the streaming writer).  The plan
+  charges each candidate its own way's programs: once a save took one way,
+  a later save that way is charged none.  (Charged the union, it was
+  charged the ways it never took, 1.5 MiB a replicated leaf shape, at every
+  save: here 18 MiB, and a budget it fits was refused.)"""
+  from kd_ckpt import cost  # pylint: disable=g-import-not-at-top
+  m1, _ = states.meshes()
+  # 12 replicated leaves of 1.3-1.7 MiB, of shapes no other test hashes.
+  tree = {f'r{i:02d}': states.filled((8 * (41 + i), 1031), NS(m1, P()), seed=i)
+          for i in range(12)}
+  before = reuse.fingerprint_programs_by_way(tree)
+  assert before == {'replica_parallel': 12, 'single_replica': 12, 'streaming': 12}, before
+  kd_ckpt.save(tmp_path / 'a', tree, fingerprint=True, strategy='streaming',
+               host_ram_budget='256MiB')
+  after = reuse.fingerprint_programs_by_way(tree)
+  assert after == {'replica_parallel': 12, 'single_replica': 0, 'streaming': 0}, after
+  assert reuse.fingerprint_programs(tree) == 12  # the union still counts the way not taken
+
+  budget = cost.min_budget_bytes(len(tree)) + 4 * MiB
+  with pytest.raises(kd_ckpt.BudgetTooSmallError, match='12 programs'):
+    kd_ckpt.plan_save(tree, host_ram_budget=budget, fingerprint_programs=12)  # the union
+  plan = kd_ckpt.plan_save(tree, host_ram_budget=budget, fingerprint_programs=after)
+  # Orbax's single-replica writer cuts these leaves as the streaming one did.
+  assert plan.fingerprint_programs == 0 and plan.reserved_bytes == 0, plan
+  assert plan.strategy == 'streaming' or not plan.orbax.use_replica_parallel, plan
+  r = kd_ckpt.save(tmp_path / 'b', tree, reuse_from=tmp_path / 'a', host_ram_budget=budget)
+  assert r.leaves_reused == 12
+  assert r.peak_extra_bytes <= budget + TOLERANCE, r
+  _assert_same(kd_ckpt.restore(tmp_path / 'b'), tree)
