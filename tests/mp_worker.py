@@ -415,6 +415,9 @@ def _fuzz(argv) -> dict:
 
   OP `save`: `kd_ckpt.save(strategy=STRATEGY)` of `tests.states.drawn`'s
   state (`mixed`'s for STATE `mixed:SEED`) over all processes' devices, measured in this process (VmHWM);
+  `reuse`: as `tests.states`' worker `reuse` (PATH.prev, the state with every
+  other array leaf zeroed, saved with fingerprints; then PATH reusing it),
+  the larger of the two saves' peaks;
   `stock`: Orbax's default save, unmeasured; `restore`: `kd_ckpt.restore`
   onto the saved layouts (or others: KD_TEST_RESHARD=SEED), its peak beyond
   this process's restored shards, every shard checked bit-exact against the
@@ -444,6 +447,30 @@ def _fuzz(argv) -> dict:
   multihost_utils.sync_global_devices('kd_fuzz_warm_up')
   out = {'process_index': pid}
   is_mixed = state.startswith('mixed:')
+  if op == 'reuse':
+    from etils import epath  # pylint: disable=g-import-not-at-top
+    tree = states.mixed(seed, total) if is_mixed else states.drawn(seed, total)
+    prev = states.every_other_leaf_zeroed(tree)
+    if pid == 0 and epath.Path(path + '.prev').exists():  # left by a refused attempt
+      epath.Path(path + '.prev').rmtree()
+    multihost_utils.sync_global_devices('kd_fuzz_prev_cleared')
+    peaks = []
+    for target, item, reuse_from in ((path + '.prev', prev, None), (path, tree, path + '.prev')):
+      states._settle()  # pylint: disable=protected-access
+      with hostmem.PeakRss() as peak:
+        try:
+          r = kd_ckpt.save(target, item, strategy=strategy, host_ram_budget=as_budget(budget),
+                           fingerprint=True, reuse_from=reuse_from)
+        except kd_ckpt.BudgetTooSmallError as e:
+          out['error'] = f'BudgetTooSmallError: {e}'
+      peaks.append(peak.extra_bytes)
+      if 'error' in out:
+        break
+      out['report'] = r.to_json_dict()
+    out['peak_extra_bytes'] = max(peaks)
+    out['peaks'] = peaks
+    multihost_utils.sync_global_devices('kd_fuzz_saved')
+    return out
   if op in ('save', 'stock'):
     tree = states.mixed(seed, total) if is_mixed else states.drawn(seed, total)
     jax.block_until_ready(tree)

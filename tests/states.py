@@ -503,6 +503,18 @@ def reshaped(tree, seed: int):
   return out
 
 
+def every_other_leaf_zeroed(tree):
+  """`tree` with every other array leaf zeros on its own sharding (keys kept):
+  a previous step's state that a reusing save takes the other leaves from."""
+  flat, treedef = jax.tree_util.tree_flatten(tree)
+  arrays = [i for i, x in enumerate(flat)
+            if isinstance(x, jax.Array) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
+  prev = list(flat)
+  for i in arrays[::2]:
+    prev[i] = jax.jit(jnp.zeros_like, out_shardings=flat[i].sharding)(flat[i])
+  return jax.block_until_ready(jax.tree_util.tree_unflatten(treedef, prev))
+
+
 def make_state(name: str, total_bytes: int):
   if name.startswith('drawn:'):
     return drawn(int(name.split(':', 1)[1]), total_bytes)
@@ -775,13 +787,7 @@ def _worker(argv):
     # The previous step's checkpoint differs in every other array leaf (zeros,
     # on the leaf's own sharding), so the second save reuses some leaves and
     # writes the others; what is restored from DIR is the state as drawn.
-    flat, treedef = jax.tree_util.tree_flatten(tree)
-    arrays = [i for i, x in enumerate(flat)
-              if isinstance(x, jax.Array) and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)]
-    prev = list(flat)
-    for i in arrays[::2]:
-      prev[i] = jax.jit(jnp.zeros_like, out_shardings=flat[i].sharding)(flat[i])
-    prev = jax.block_until_ready(jax.tree_util.tree_unflatten(treedef, prev))
+    prev = every_other_leaf_zeroed(tree)
     peaks = []
     from etils import epath  # pylint: disable=g-import-not-at-top
     if epath.Path(directory + '.prev').exists():  # left by a refused attempt

@@ -9,6 +9,7 @@ Restores: the peak beyond the restored arrays, likewise.
 """
 
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -651,8 +652,9 @@ def test_drawn_states_hold_the_budget():
 def test_drawn_states_hold_the_budget_over_two_processes():
   """`tools/fuzz_budget.py --processes 2`: each case's save and restore run in
   two JAX processes joined on 127.0.0.1 (4 CPU devices each), each process
-  held to the budget.  Seeds 1 (a streaming save refused, then held at the
-  budget named; restored on devices that copy), 2 (`auto`; a restore onto
+  held to the budget.  Seeds 1 (a streaming save with reuse, refused, then
+  held at the budget named, both processes reusing leaves; restored on
+  devices that copy), 2 (`auto`; a restore onto
   other layouts, refused, then held), 3 (`mixed`: typed keys, numpy arrays
   and scalars beside the arrays, saved by stock Orbax) and 7 (`mixed`, a
   streaming save of a single key and sharded key batches)."""
@@ -666,3 +668,5 @@ def test_drawn_states_hold_the_budget_over_two_processes():
   assert '4/4 held' in proc.stdout, proc.stdout[-2000:]
   # 3 kd_ckpt saves (seed 3's is stock Orbax's, unmeasured) and 4 restores.
   assert proc.stdout.count('(most of 2)') == 7, proc.stdout[-2000:]
+  [reused] = re.findall(r', (\d+) leaves reused', proc.stdout)
+  assert int(reused) > 0, proc.stdout[-2000:]

@@ -22,8 +22,8 @@ workers), measured from outside kd_ckpt (VmHWM):
 
 `--processes 2` runs each save and restore in two JAX processes joined on
 127.0.0.1 (4 CPU devices each; `tests.mp_worker fuzz`), each process held to
-the budget and checked bit-exact on its own shards (drawn and `mixed` states;
-no Kauldron, no `strict=False`).
+the budget and checked bit-exact on its own shards (drawn and `mixed` states,
+reusing saves too; no Kauldron, no `strict=False`).
 
   .venv/bin/python tools/fuzz_budget.py --seeds 0-99      # ~5-8 min on 2 cores
   .venv/bin/python tools/fuzz_budget.py --seeds 17 -v     # one seed again, with its state
@@ -170,7 +170,8 @@ def _run_mp(nproc: int, op: str, path: str, state: str, total: str, strategy: st
     return None, max(errors, key=lambda e: _named_budget(e, 0) or 0)
   beyond = [r['peak_extra_bytes'] - r.get('restored_bytes', 0) for r in results]
   return {'peak_extra_bytes': max(beyond), 'restored_bytes': 0,
-          'whole_save_peak_extra_bytes': max(beyond)}, ''
+          'whole_save_peak_extra_bytes': max(beyond),
+          'leaves_reused': sum(r.get('report', {}).get('leaves_reused', 0) for r in results)}, ''
 
 
 def _retried(call, budget: int, what: str, refused=lambda: None
@@ -217,7 +218,7 @@ def run_case(states, case: dict, root: str, tolerance: int, verbose: bool,
     run = lambda op, budget=0, env=None: _run_mp(
         processes, op, path, state, total, writer, budget, env=env)
     stock = lambda: run('stock')
-    save = lambda budget: run('save', budget)
+    save = lambda budget: run('reuse' if case.get('reuse') else 'save', budget)
     restore = lambda budget, env: run('restore', budget, env)
   else:
     of = ''
@@ -245,7 +246,8 @@ def run_case(states, case: dict, root: str, tolerance: int, verbose: bool,
     if out is None:
       return [failed]
     peak = out['whole_save_peak_extra_bytes' if kauldron else 'peak_extra_bytes']
-    notes.append(f'save {writer} @{budget / MiB:.1f} MiB peak {peak / MiB:.1f} MiB{of}')
+    notes.append(f'save {writer} @{budget / MiB:.1f} MiB peak {peak / MiB:.1f} MiB{of}'
+                 + (f", {out.get('leaves_reused', 0)} leaves reused" if case.get('reuse') else ''))
     if peak > budget + tolerance:
       problems.append(f'{writer} save peaked at {peak / MiB:.1f} MiB over its budget '
                       f'{budget / MiB:.1f} MiB')
@@ -306,7 +308,7 @@ def main(argv=None) -> int:
   for seed in seeds:
     case = _case(np.random.default_rng(10_000_019 + seed), seed)
     if args.processes > 1:
-      case.update(kauldron=False, loose=False, reuse=False)
+      case.update(kauldron=False, loose=False)
     line = (f"seed {seed}: {'mixed ' if case['mixed'] else ''}{case['total_bytes'] / MiB:.1f} MiB, "
             f"{'SafeCheckpointer' if case['kauldron'] else case['writer']}"
             f"{' reusing' if case['reuse'] and not case['kauldron'] and case['writer'] != 'stock' else ''} "
