@@ -1596,6 +1596,27 @@ def _compiles(ctx: ReadContext, leaves) -> bool:
     return True
 
 
+_RELAYOUT_WARNED = False
+
+
+def _warn_relayouts(num_leaves: int) -> None:
+  """Once a process: restores onto custom layouts are not bounded (README)."""
+  global _RELAYOUT_WARNED
+  if _RELAYOUT_WARNED:
+    return
+  _RELAYOUT_WARNED = True
+  # Each new shard shape compiles a relayout that XLA keeps, and the
+  # relayout copies; neither is charged.  100 leaf shapes over 8 CPU devices
+  # at 48 MiB peaked 118-200 MiB beyond the arrays (`bench/relayout_restore.py`).
+  logging.warning(
+      'kd_ckpt: %d leaves are restored onto custom device-local layouts'
+      ' (support_layout). kd_ckpt does not bound their relayouts (a program per'
+      ' shard shape, and their copies): the peak may exceed host_ram_budget by'
+      ' about 1-2 MiB per leaf shape (bench/relayout_restore.py). Without'
+      ' support_layout the arrays take the default layouts, within the budget.',
+      num_leaves)
+
+
 def _custom_layout(sharding) -> bool:
   """Whether a target names a device-local layout (a `Format`, not a plain sharding)."""
   return sharding is not None and _split_format(sharding)[1] is not None
@@ -2131,7 +2152,10 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
     async with ctx.limiter.hold(cost.leaves_charge(len(infos))), \
         contextlib.AsyncExitStack() as compiler_held:
       remote = storage.is_remote(parent)
-      if ctx.compiler_pending and any(_custom_layout(spec_of(i)[2]) for i in range(len(infos))):
+      custom = sum(_custom_layout(spec_of(i)[2]) for i in range(len(infos)))
+      if custom and not ctx.price_only:
+        _warn_relayouts(custom)
+      if ctx.compiler_pending and custom:
         # Placed onto a custom layout, a leaf compiles a relayout however it
         # is read (a device_put onto a `Format` compiled one program here):
         # the start-up first, before anything is read.
