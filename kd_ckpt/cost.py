@@ -124,6 +124,14 @@ MIN_PIECES_BYTES = 5 * 64 * KiB + CHUNKREAD_STATE_BYTES
 # (`make calibrate`) 390 KiB each on one device, 491 KiB SPMD over 8 devices;
 # charged 1 MiB.
 PROGRAM_BYTES = 1 * MiB
+# A relayout onto a target's custom device-local layout (`support_layout`)
+# compiles one program per shard shape, dtype and layout: 2.3-2.5 MiB kept
+# each, and up to 12.9 MiB beyond its results while one compiles (20 shapes
+# x 8 CPU devices, shards of 20 KiB-4 MiB, host memory trimmed between:
+# `python bench/relayout_restore.py --programs`).  A restore holds both
+# (compiles one at a time).
+RELAYOUT_PROGRAM_BYTES = 3 * MiB
+RELAYOUT_COMPILE_BYTES = 13 * MiB
 # Each program a fingerprinting save (reuse) compiles to hash leaves on their
 # devices (one per shape, dtype, box and device set:
 # `reuse.fingerprint_programs`), which XLA keeps for the life of the process.
@@ -230,9 +238,12 @@ def stock_read_charge(shard_bytes: int, chunks_bytes: int) -> int:
   return int(2 * shard_bytes + 2 * chunks_bytes)
 
 
-def programs_charge(num_programs: int) -> int:
-  """Placement programs a restore compiles, held from their compile to its end."""
-  return int(num_programs) * PROGRAM_BYTES
+def programs_charge(num_programs: int, num_relayouts: int = 0) -> int:
+  """Placement programs a restore compiles, held from their compile to its
+  end; of them `num_relayouts` relayouts, and the room one needs compiling."""
+  relayouts = int(num_relayouts)
+  return ((int(num_programs) - relayouts) * PROGRAM_BYTES + relayouts * RELAYOUT_PROGRAM_BYTES
+          + (RELAYOUT_COMPILE_BYTES if relayouts else 0))
 
 
 def fingerprint_programs_charge(num_programs: int) -> int:

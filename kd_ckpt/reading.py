@@ -151,6 +151,17 @@ def read_context() -> ts.Context:
 # a read admits each new one through the limiter, for the rest of the read,
 # before compiling it (`_admit_programs`).  Their keys, once compiled:
 _COMPILED: set = set()
+# Relayouts compile one at a time (`cost.RELAYOUT_COMPILE_BYTES` is held once).
+_RELAYOUT_LOCK = threading.Lock()
+
+
+def _programs_charge(keys) -> int:
+  """What `keys` (new programs) are held: relayouts cost more than placements."""
+  return cost.programs_charge(len(keys), sum(1 for k in keys if k[0] == 'relayout'))
+
+
+def _relayout_key(shard_shape, dtype, layout) -> tuple:
+  return ('relayout', tuple(int(n) for n in shard_shape), np.dtype(dtype).name, str(layout))
 
 
 @functools.cache
@@ -619,10 +630,14 @@ def _programs(shape, dtype, itemsize, chunk, sharding, streamed, piece_bytes,
               partial_ok: bool = True) -> set:
   """The placement programs a leaf may compile (a leaf read by shard compiles
   none: admitted anyway, as `fill_array` decides that once its source is open)."""
-  _, plan = _placement(shape, dtype, itemsize, chunk, sharding, piece_bytes, streamed,
-                       partial_ok)
+  groups, plan = _placement(shape, dtype, itemsize, chunk, sharding, piece_bytes, streamed,
+                            partial_ok)
   plans = [plan] if isinstance(plan, _InPlace) else [p for p in plan.values() if p]
-  return set().union(*(p.programs for p in plans))
+  out = set().union(*(p.programs for p in plans))
+  _, layout = _split_format(sharding)
+  if layout is not None:  # each shard assembled on the host, then relayed out
+    out |= {_relayout_key([b - a for a, b in key], dtype, layout) for key in groups}
+  return out
 
 
 def check_shape(name: str, shape, stored_shape, strict: bool) -> None:
@@ -1532,10 +1547,23 @@ class _HostShard:
       return self.direct
     self._stage()  # zero-size, or nothing saved there (strict=False)
     out = {}
+    if self.layout is not None:
+      # Its program and the room its compile takes were admitted
+      # (`_programs`); compiles run one at a time, each leaving garbage the
+      # host memory is trimmed of (else 5-6x the shard stayed).
+      key = _relayout_key(self.shape, self.dtype, self.layout)
+      with _RELAYOUT_LOCK if key not in _COMPILED else contextlib.nullcontext():
+        for d in self.devices:
+          target = compat.make_format(
+              self.layout, jax.sharding.SingleDeviceSharding(d, memory_kind=self.memory_kind))
+          out[d] = jax.device_put(self.host, target)
+          out[d].block_until_ready()
+        if key not in _COMPILED:
+          _COMPILED.add(key)
+          hostmem.release_free_memory()
+      return out
     for d in self.devices:
       target = jax.sharding.SingleDeviceSharding(d, memory_kind=self.memory_kind)
-      if self.layout is not None:
-        target = compat.make_format(self.layout, target)
       out[d] = jax.device_put(self.host, target)
     jax.block_until_ready(list(out.values()))
     return out
@@ -1552,10 +1580,10 @@ def _admit_programs(ctx: ReadContext, leaves) -> tuple[ReadContext, set]:
   admitted = _admit(ctx, leaves)
   if isinstance(admitted, tuple):
     return admitted
-  charge = cost.programs_charge(admitted)
+  charge = _programs_charge(admitted)
   raise plan_lib.BudgetTooSmallError(
       f'This restore fills shards too big for its pieces on their devices,'
-      f' compiling {admitted} programs that XLA keeps'
+      f' compiling {len(admitted)} programs that XLA keeps'
       f' ({text.format_bytes(charge)} of host RAM), and the budget leaves'
       f' {text.format_bytes(max(ctx.pieces_capacity_bytes, 0))} for them and the pieces'
       f' read: {_raise_to(ctx, _least_budget(ctx, leaves))}'
@@ -1565,20 +1593,20 @@ def _admit_programs(ctx: ReadContext, leaves) -> tuple[ReadContext, set]:
          if ctx.compiler_bytes else ''))
 
 
-def _admit(ctx: ReadContext, leaves) -> tuple[ReadContext, set] | int:
-  """`_admit_programs`' fixed point, or the number of programs that did not fit."""
+def _admit(ctx: ReadContext, leaves) -> tuple[ReadContext, set] | set:
+  """`_admit_programs`' fixed point, or the programs that did not fit."""
   read = ctx
   while True:
     new = set().union(*(_programs(*leaf, read.piece_bytes, ctx.partial_tiles)
                         for leaf in leaves)) - _COMPILED
-    room = ctx.pieces_capacity_bytes - cost.programs_charge(len(new))
+    room = ctx.pieces_capacity_bytes - _programs_charge(new)
     if room < cost.MIN_PIECES_BYTES and ctx.partial_tiles:
       # Short last pieces take a program each: where those do not fit, the
       # last pieces move back over their neighbours (read twice) as before
       # (the `zeros` test state from a bucket at 48 MiB fell 80 KiB short).
       return _admit(dataclasses.replace(ctx, partial_tiles=False), leaves)
     if room < cost.MIN_PIECES_BYTES:
-      return len(new)
+      return new
     piece = min(ctx.piece_bytes, cost.restore_piece_bytes(room))
     if piece >= read.piece_bytes:
       return read, new
@@ -1594,27 +1622,6 @@ def _compiles(ctx: ReadContext, leaves) -> bool:
     return bool(_admit_programs(ctx, leaves)[1])
   except plan_lib.BudgetTooSmallError:
     return True
-
-
-_RELAYOUT_WARNED = False
-
-
-def _warn_relayouts(num_leaves: int) -> None:
-  """Once a process: restores onto custom layouts are not bounded (README)."""
-  global _RELAYOUT_WARNED
-  if _RELAYOUT_WARNED:
-    return
-  _RELAYOUT_WARNED = True
-  # Each new shard shape compiles a relayout that XLA keeps, and the
-  # relayout copies; neither is charged.  100 leaf shapes over 8 CPU devices
-  # at 48 MiB peaked 118-200 MiB beyond the arrays (`bench/relayout_restore.py`).
-  logging.warning(
-      'kd_ckpt: %d leaves are restored onto custom device-local layouts'
-      ' (support_layout). kd_ckpt does not bound their relayouts (a program per'
-      ' shard shape, and their copies): the peak may exceed host_ram_budget by'
-      ' about 1-2 MiB per leaf shape (bench/relayout_restore.py). Without'
-      ' support_layout the arrays take the default layouts, within the budget.',
-      num_leaves)
 
 
 def _custom_layout(sharding) -> bool:
@@ -2094,7 +2101,7 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
     # where 8.2 MiB of programs left 4.8 MiB, and waited forever (a drawn
     # state, `tools/fuzz_budget.py` seed 159).
     read = dataclasses.replace(read, pieces_capacity_bytes=(
-        read.pieces_capacity_bytes - cost.programs_charge(len(programs))))
+        read.pieces_capacity_bytes - _programs_charge(programs)))
     out = [None] * len(leaves)
     ranged_kvs, ranged_lock = {}, threading.Lock()
 
@@ -2125,10 +2132,10 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
       # MiB peaked 190-275 MiB beyond its arrays, 27 MiB with this).
       hostmem.release_free_memory()
 
-    with fctx.limiter.hold_sync(cost.programs_charge(len(programs))):
+    with fctx.limiter.hold_sync(_programs_charge(programs)):
       if parts > 1:
         _fill_in_parts(fill, len(leaves), parts, read,
-                       (fctx.pieces_capacity_bytes - cost.programs_charge(len(programs))) // parts,
+                       (fctx.pieces_capacity_bytes - _programs_charge(programs)) // parts,
                        max(1, lanes // parts))
         return out
       side = set()
@@ -2152,10 +2159,7 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
     async with ctx.limiter.hold(cost.leaves_charge(len(infos))), \
         contextlib.AsyncExitStack() as compiler_held:
       remote = storage.is_remote(parent)
-      custom = sum(_custom_layout(spec_of(i)[2]) for i in range(len(infos)))
-      if custom and not ctx.price_only:
-        _warn_relayouts(custom)
-      if ctx.compiler_pending and custom:
+      if ctx.compiler_pending and any(_custom_layout(spec_of(i)[2]) for i in range(len(infos))):
         # Placed onto a custom layout, a leaf compiles a relayout however it
         # is read (a device_put onto a `Format` compiled one program here):
         # the start-up first, before anything is read.
@@ -2181,7 +2185,7 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
         if whole_ok(i, shape, sharding):
           if (c := _whole_charge_bound(shape, dtype, sharding)) is not None and c <= ctx.piece_bytes:
             whole[i] = c
-        elif stock_read is not None and (c := _stock_charge_bound(
+        elif stock_read is not None and not _custom_layout(sharding) and (c := _stock_charge_bound(
             shape, dtype, sharding, getattr(args[i], 'strict', True))) is not None \
             and c <= ctx.piece_bytes:
           small[i] = c
@@ -2192,7 +2196,8 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
           if (c := _whole_charge_of(t, shape, dtype, sharding)) <= ctx.piece_bytes:
             whole[i] = c
             whole_opened[i] = (info.name, t, shape, dtype, sharding)
-        elif stock_read is not None and (c := _stock_charge(t, shape, dtype, sharding)) <= ctx.piece_bytes:
+        elif (stock_read is not None and not _custom_layout(sharding)
+              and (c := _stock_charge(t, shape, dtype, sharding)) <= ctx.piece_bytes):
           small[i] = c
       rest = [i for i in range(len(infos)) if i not in small and i not in whole]
       # Orbax's reader opens its leaves itself: what their metadata opened goes.
