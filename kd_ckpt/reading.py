@@ -1581,8 +1581,11 @@ def _admit_programs(ctx: ReadContext, leaves) -> tuple[ReadContext, set]:
   if isinstance(admitted, tuple):
     return admitted
   charge = _programs_charge(admitted)
+  staged = max((_host_staged_bytes(*leaf) for leaf in leaves), default=0)
   raise plan_lib.BudgetTooSmallError(
-      f'This restore fills shards too big for its pieces on their devices,'
+      (f'This restore stages shards of up to {text.format_bytes(staged)} whole on the host'
+       ' (custom layouts or other memory kinds) and' if staged else 'This restore')
+      + f' fills shards too big for its pieces on their devices,'
       f' compiling {len(admitted)} programs that XLA keeps'
       f' ({text.format_bytes(charge)} of host RAM), and the budget leaves'
       f' {text.format_bytes(max(ctx.pieces_capacity_bytes, 0))} for them and the pieces'
@@ -1593,13 +1596,30 @@ def _admit_programs(ctx: ReadContext, leaves) -> tuple[ReadContext, set]:
          if ctx.compiler_bytes else ''))
 
 
+def _host_staged_bytes(shape, dtype, itemsize, chunk, sharding, streamed) -> int:
+  """The largest shard of a leaf that `_HostShard` stages whole whatever its
+  size (a custom layout, another memory kind); 0 for other leaves."""
+  del itemsize, chunk, streamed
+  sharding, layout = _split_format(sharding)
+  if layout is None and getattr(sharding, 'memory_kind', None) in (None, 'device'):
+    return 0
+  return max((math.prod(b - a for a, b in key) for key in _shard_groups(shape, sharding)),
+             default=0) * np.dtype(dtype).itemsize
+
+
 def _admit(ctx: ReadContext, leaves) -> tuple[ReadContext, set] | set:
-  """`_admit_programs`' fixed point, or the programs that did not fit."""
+  """`_admit_programs`' fixed point, or the programs that did not fit.
+
+  The room must also hold the largest shard staged whole beside the pieces
+  (`_host_staged_bytes`): one bigger than the room left by the programs
+  waited forever (a drawn state onto custom layouts, fuzz seed 91).
+  """
   read = ctx
+  staged = max((_host_staged_bytes(*leaf) for leaf in leaves), default=0)
   while True:
     new = set().union(*(_programs(*leaf, read.piece_bytes, ctx.partial_tiles)
                         for leaf in leaves)) - _COMPILED
-    room = ctx.pieces_capacity_bytes - _programs_charge(new)
+    room = ctx.pieces_capacity_bytes - _programs_charge(new) - staged
     if room < cost.MIN_PIECES_BYTES and ctx.partial_tiles:
       # Short last pieces take a program each: where those do not fit, the
       # last pieces move back over their neighbours (read twice) as before

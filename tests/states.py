@@ -441,6 +441,28 @@ def abstract_of(tree):
   return jax.tree.map(one, tree)
 
 
+def custom_layouts(abstract, seed: int):
+  """`abstract` with about half its arrays of rank 2 or more (keys aside) on a
+  device-local layout other than the default, drawn from `seed` (a
+  permutation of the dims, major to minor): a restore target for
+  `support_layout=True`.  Returns it and {leaf path: major_to_minor}."""
+  from jax.experimental import layout  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng([seed, 9])
+  formats = {}
+
+  def one(path, x):
+    if (not isinstance(x, jax.ShapeDtypeStruct) or len(x.shape) < 2
+        or jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) or rng.random() < 0.5):
+      return x
+    order = tuple(int(d) for d in rng.permutation(len(x.shape)))
+    if order == tuple(range(len(x.shape))):
+      order = order[::-1]
+    formats[jax.tree_util.keystr(path)] = order
+    fmt = layout.Format(layout.Layout(major_to_minor=order), x.sharding)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=fmt)
+  return jax.tree_util.tree_map_with_path(one, abstract), formats
+
+
 def redrawn(tree, seed: int):
   """`tree` put on other layouts drawn from `seed` (each one its shape divides).
 
@@ -848,6 +870,9 @@ def _worker(argv):
       seed = int(os.environ['KD_TEST_LOOSE'])
       tree = jax.block_until_ready(arrays_of(lambda t: reshaped(t, seed), tree))
     abstract = abstract_of(tree)
+    formats = {}
+    if os.environ.get('KD_TEST_LAYOUT'):  # onto custom layouts (support_layout)
+      abstract, formats = custom_layouts(abstract, int(os.environ['KD_TEST_LAYOUT']))
     want = _digests(tree)  # every restore is checked bit-exact, after measuring
     del tree
     _settle()
@@ -900,8 +925,14 @@ def _worker(argv):
         jax.block_until_ready(back)
     else:
       with hostmem.PeakRss() as peak:
-        back = kd_ckpt.restore(directory, abstract, host_ram_budget=budget, strict=strict)
+        back = kd_ckpt.restore(directory, abstract, host_ram_budget=budget, strict=strict,
+                               support_layout=bool(formats))
         jax.block_until_ready(back)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(back)[0]:
+      want_layout = formats.get(jax.tree_util.keystr(path))
+      if want_layout is not None and leaf.format.layout.major_to_minor != want_layout:
+        raise SystemExit(f'{jax.tree_util.keystr(path)} came back in layout'
+                         f' {leaf.format.layout.major_to_minor}, not {want_layout}')
     out = {'peak_extra_bytes': peak.extra_bytes, 'restored_bytes': resident_bytes(back),
            'budget_bytes': budget_lib.resolve(budget, hostmem.probe())}
     if via in LOADERS:

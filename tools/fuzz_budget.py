@@ -99,6 +99,9 @@ def _case(rng, seed: int) -> dict:
       # every other array leaf zeroed, which it reuses where unchanged
       # (`tests.states` worker `reuse`: both saves held to the budget).
       reuse=bool(np.random.default_rng([seed, 6]).random() < 0.3),
+      # kd_ckpt.restore(support_layout=True) onto custom device-local layouts
+      # for about half the arrays of rank >= 2 (`tests.states.custom_layouts`).
+      layout=bool(np.random.default_rng([seed, 8]).random() < 0.2),
   )
 
 
@@ -256,6 +259,8 @@ def run_case(states, case: dict, root: str, tolerance: int, verbose: bool,
     env['KD_TEST_RESHARD'] = str(case['seed'])
   if case.get('loose') and not kauldron:
     env['KD_TEST_LOOSE'] = str(case['seed'])
+  if case.get('layout') and not kauldron:
+    env['KD_TEST_LAYOUT'] = str(case['seed'])
   out, rbudget, more, failed = _retried(lambda b: restore(b, env), case['restore_budget'],
                                         'restore')
   notes += more
@@ -264,7 +269,8 @@ def run_case(states, case: dict, root: str, tolerance: int, verbose: bool,
   beyond = out['peak_extra_bytes'] - out['restored_bytes']
   notes.append(f"restore {'copying' if case['copying'] else 'shared'}"
                f"{' resharded' if case.get('reshard') else ''}"
-               f"{' strict=False' if 'KD_TEST_LOOSE' in env else ''} @{rbudget / MiB:.1f} MiB "
+               f"{' strict=False' if 'KD_TEST_LOOSE' in env else ''}"
+               f"{' custom layouts' if 'KD_TEST_LAYOUT' in env else ''} @{rbudget / MiB:.1f} MiB "
                f'beyond arrays {beyond / MiB:.1f} MiB{of}')
   if beyond > rbudget + tolerance:
     problems.append(f'restore peaked {beyond / MiB:.1f} MiB beyond the restored arrays, over '
@@ -308,13 +314,14 @@ def main(argv=None) -> int:
   for seed in seeds:
     case = _case(np.random.default_rng(10_000_019 + seed), seed)
     if args.processes > 1:
-      case.update(kauldron=False, loose=False)
+      case.update(kauldron=False, loose=False, layout=False)
     line = (f"seed {seed}: {'mixed ' if case['mixed'] else ''}{case['total_bytes'] / MiB:.1f} MiB, "
             f"{'SafeCheckpointer' if case['kauldron'] else case['writer']}"
             f"{' reusing' if case['reuse'] and not case['kauldron'] and case['writer'] != 'stock' else ''} "
             f"@{case['save_budget'] / MiB:.1f} MiB, restore "
             f"{'copying' if case['copying'] else 'shared'}{' resharded' if case['reshard'] else ''}"
             f"{' strict=False' if case['loose'] and not case['kauldron'] else ''}"
+            f"{' custom layouts' if case['layout'] and not case['kauldron'] else ''}"
             f" @{case['restore_budget'] / MiB:.1f} MiB")
     if args.verbose:
       tree = states.make_state(_state_name(case), case['total_bytes'])
