@@ -1582,14 +1582,19 @@ def _admit_programs(ctx: ReadContext, leaves) -> tuple[ReadContext, set]:
     return admitted
   charge = _programs_charge(admitted)
   staged = max((_host_staged_bytes(*leaf) for leaf in leaves), default=0)
+  relayouts = sum(1 for k in admitted if k[0] == 'relayout')
   raise plan_lib.BudgetTooSmallError(
-      (f'This restore stages shards of up to {text.format_bytes(staged)} whole on the host'
-       ' (custom layouts or other memory kinds) and' if staged else 'This restore')
-      + f' fills shards too big for its pieces on their devices,'
-      f' compiling {len(admitted)} programs that XLA keeps'
-      f' ({text.format_bytes(charge)} of host RAM), and the budget leaves'
-      f' {text.format_bytes(max(ctx.pieces_capacity_bytes, 0))} for them and the pieces'
-      f' read: {_raise_to(ctx, _least_budget(ctx, leaves))}'
+      f'This restore compiles {len(admitted)} programs that XLA keeps'
+      f' ({text.format_bytes(charge)} of host RAM: '
+      + ', '.join(w for w in (
+          f'{len(admitted) - relayouts} filling shards too big for its pieces on their devices'
+          if len(admitted) > relayouts else '',
+          f'{relayouts} relayouts onto custom layouts' if relayouts else '') if w)
+      + ')'
+      + (f' and stages shards of up to {text.format_bytes(staged)} whole on the host'
+         ' (custom layouts, other memory kinds)' if staged else '')
+      + f', and the budget leaves {text.format_bytes(max(ctx.pieces_capacity_bytes, 0))}'
+      f' for them and the pieces read: {_raise_to(ctx, _least_budget(ctx, leaves))}'
       + (f' This restore first paid {text.format_bytes(ctx.compiler_bytes)} for XLA\'s'
          ' compiler start-up (the first compile of the ops kd_ckpt uses in this'
          ' process): a process that has compiled a training step pays under 1 MiB of it.'
