@@ -419,7 +419,8 @@ def _fuzz(argv) -> dict:
   other array leaf zeroed, saved with fingerprints; then PATH reusing it),
   the larger of the two saves' peaks;
   `stock`: Orbax's default save, unmeasured; `restore`: `kd_ckpt.restore`
-  onto the saved layouts (or others: KD_TEST_RESHARD=SEED), its peak beyond
+  onto the saved layouts (or others: KD_TEST_RESHARD=SEED; onto custom
+  device-local layouts: KD_TEST_LAYOUT=SEED), its peak beyond
   this process's restored shards, every shard checked bit-exact against the
   drawn values.  A `BudgetTooSmallError` is returned as `error`.
   """
@@ -503,6 +504,9 @@ def _fuzz(argv) -> dict:
       want[f'{name}@{device.id}'] = hashlib.sha256(
           np.ascontiguousarray(host[index]).reshape(-1).view(np.uint8)).hexdigest()
     del host
+  formats = {}
+  if os.environ.get('KD_TEST_LAYOUT'):  # onto custom layouts (support_layout)
+    abstract, formats = states.custom_layouts(abstract, int(os.environ['KD_TEST_LAYOUT']))
   if is_mixed:
     # Keys, numpy arrays and scalars beside the drawn arrays: restored as
     # saved, checked by their (addressable) shards' digests.
@@ -513,7 +517,8 @@ def _fuzz(argv) -> dict:
   states._settle()  # pylint: disable=protected-access
   with hostmem.PeakRss() as peak:
     try:
-      back = kd_ckpt.restore(path, abstract, host_ram_budget=as_budget(budget))
+      back = kd_ckpt.restore(path, abstract, host_ram_budget=as_budget(budget),
+                             support_layout=bool(formats))
       jax.block_until_ready(back)
     except kd_ckpt.BudgetTooSmallError as e:
       out['error'] = f'BudgetTooSmallError: {e}'
@@ -522,6 +527,11 @@ def _fuzz(argv) -> dict:
   if back is not None:
     out['restored_bytes'] = states.resident_bytes(back)
     arrays = back['arrays'] if is_mixed else back
+    for name, x in arrays.items():
+      want_layout = formats.get(jax.tree_util.keystr((jax.tree_util.DictKey(name),)))
+      if want_layout is not None and x.format.layout.major_to_minor != want_layout:
+        raise SystemExit(f'{name} came back in layout {x.format.layout.major_to_minor},'
+                         f' not {want_layout}')
     got = {f'{name}@{sh.device.id}': hashlib.sha256(
         np.ascontiguousarray(np.asarray(sh.data)).reshape(-1).view(np.uint8)).hexdigest()
            for name, x in arrays.items() for sh in x.addressable_shards}

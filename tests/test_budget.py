@@ -660,18 +660,21 @@ def test_drawn_states_hold_the_budget_over_two_processes():
   held at the budget named, both processes reusing leaves; restored on
   devices that copy), 2 (`auto`; a restore onto
   other layouts, refused, then held), 3 (`mixed`: typed keys, numpy arrays
-  and scalars beside the arrays, saved by stock Orbax) and 7 (`mixed`, a
-  streaming save of a single key and sharded key batches)."""
+  and scalars beside the arrays, saved by stock Orbax), 7 (`mixed`, a
+  streaming save of a single key and sharded key batches) and 90 (`mixed`,
+  restored onto other shardings with custom device-local layouts, each
+  checked on return: refused, then held)."""
   import subprocess  # pylint: disable=g-import-not-at-top
   import sys  # pylint: disable=g-import-not-at-top
   proc = subprocess.run(
       [sys.executable, os.path.join(states.REPO, 'tools', 'fuzz_budget.py'),
-       '--processes', '2', '--seeds', '1,2,3,7', '-v'],
+       '--processes', '2', '--seeds', '1,2,3,7,90', '-v'],
       cwd=states.REPO, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-  assert '4/4 held' in proc.stdout, proc.stdout[-2000:]
-  # 3 kd_ckpt saves (seed 3's is stock Orbax's, unmeasured) and 4 restores.
-  assert proc.stdout.count('(most of 2)') == 7, proc.stdout[-2000:]
+  assert '5/5 held' in proc.stdout, proc.stdout[-2000:]
+  # 4 kd_ckpt saves (seed 3's is stock Orbax's, unmeasured) and 5 restores.
+  assert proc.stdout.count('(most of 2)') == 9, proc.stdout[-2000:]
+  assert 'restore shared resharded custom layouts @' in proc.stdout, proc.stdout[-2000:]
   [reused] = re.findall(r', (\d+) leaves reused', proc.stdout)
   assert int(reused) > 0, proc.stdout[-2000:]
 

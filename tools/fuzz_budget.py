@@ -23,7 +23,8 @@ workers), measured from outside kd_ckpt (VmHWM):
 `--processes 2` runs each save and restore in two JAX processes joined on
 127.0.0.1 (4 CPU devices each; `tests.mp_worker fuzz`), each process held to
 the budget and checked bit-exact on its own shards (drawn and `mixed` states,
-reusing saves too; no Kauldron, no `strict=False`).
+reusing saves, restores onto custom layouts too; no Kauldron, no
+`strict=False`).
 
   .venv/bin/python tools/fuzz_budget.py --seeds 0-99      # ~5-8 min on 2 cores
   .venv/bin/python tools/fuzz_budget.py --seeds 17 -v     # one seed again, with its state
@@ -314,7 +315,7 @@ def main(argv=None) -> int:
   for seed in seeds:
     case = _case(np.random.default_rng(10_000_019 + seed), seed)
     if args.processes > 1:
-      case.update(kauldron=False, loose=False, layout=False)
+      case.update(kauldron=False, loose=False)
     line = (f"seed {seed}: {'mixed ' if case['mixed'] else ''}{case['total_bytes'] / MiB:.1f} MiB, "
             f"{'SafeCheckpointer' if case['kauldron'] else case['writer']}"
             f"{' reusing' if case['reuse'] and not case['kauldron'] and case['writer'] != 'stock' else ''} "
