@@ -181,7 +181,7 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     # Plain StandardSave args (e.g. Orbax's own code) bring no plan: plan here.
     plan = getattr(args, 'plan', None) or plan_lib.plan_save(
         item, host_ram_budget=self._budget, strategy=self._strategy,
-        startup_bytes=startup.start_compiler() if startup.compiles(item) else 0,
+        pay_compiler=startup.compiles(item),
         save_id=directory, blocking=False)
     ctx = getattr(args, 'context', None) or context_for(plan)
     if plan.strategy == 'streaming':
@@ -289,24 +289,35 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     # Paid lazily wherever a read compiled, numpy leaves read beside it
     # (b6ddee7), a CI run stalled at 48 MiB (300 s waiting for 3 MiB): the
     # numpy reads were sized for the room before the start-up took its share.
+    # A target on device-local layouts compiles relayouts however its leaves
+    # are read: paid up front too, where a budget that cannot hold it is
+    # refused before paying it (below).
     defer = (arrays and not startup.compiler_started() and not storage.is_remote(directory)
-             and not any(t == 'np.ndarray' for _, t in params) and not _reads_numpy(args))
-    compiler_bytes = startup.start_compiler() if arrays and not defer else 0
+             and not any(t == 'np.ndarray' for _, t in params) and not _reads_numpy(args)
+             and not _asks_layouts(args))
     # Likewise a first touch of a bucket (`kd_ckpt.restore` starts the clients
     # before it looks for the checkpoint, and says what that took).
     storage_bytes = getattr(args, 'storage_startup_bytes', 0) + startup.start_storage(directory)
+    # Refused whatever XLA's start-up costs: not paid (a fresh process's 16
+    # MiB restore of numpy leaves peaked at 58 MiB to be refused), named.
+    unpaid_bytes = 0
+    if arrays and not defer:
+      pending = startup.pending_compiler_bytes()
+      if budget_bytes < cost.min_restore_budget_bytes(num_leaves) + storage_bytes + pending:
+        unpaid_bytes = pending
+    compiler_bytes = startup.start_compiler() if arrays and not defer and not unpaid_bytes else 0
     startup_bytes = compiler_bytes + storage_bytes
-    need = cost.min_restore_budget_bytes(num_leaves) + startup_bytes
+    need = cost.min_restore_budget_bytes(num_leaves) + startup_bytes + unpaid_bytes
     if budget_bytes < need:
-      named = cost.suggested_budget_bytes(need, startup_bytes)
+      named = cost.suggested_budget_bytes(need, startup_bytes + unpaid_bytes)
       if arrays:
         # Above the floor, the placement programs may not fit either: named
         # alone, the floor was refused again by 20 of 56 restores of drawn
         # states refused at 16 MiB (seeds 0-13, saved by stock Orbax, on devices
         # that share and that copy, onto the saved layouts and others).  Priced
         # there instead: leaves opened, programs counted, nothing read.
-        named = self._read(directory, args, named, startup_bytes, num_leaves, price_only=True,
-                           compiler_pending=defer)
+        named = self._read(directory, args, named, startup_bytes + unpaid_bytes, num_leaves,
+                           price_only=True, compiler_pending=defer)
       raise plan_lib.BudgetTooSmallError(
           f'host_ram_budget={budget_spec.text} ({text.format_bytes(budget_bytes)}) is'
           f' below the smallest budget a restore of this checkpoint can honour,'
@@ -316,12 +327,18 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
           ' Raise host_ram_budget to'
           f' {text.budget_literal(named)} or more'
           + (' (where the programs placing its pieces on the devices fit too).'
-             if named > cost.suggested_budget_bytes(need, startup_bytes) else '.')
+             if named > cost.suggested_budget_bytes(need, startup_bytes + unpaid_bytes)
+             else '.')
           + (f' This restore first paid {text.format_bytes(compiler_bytes)} for XLA\'s'
              ' compiler start-up (the first compile of the ops kd_ckpt uses in this'
              ' process): a process that has compiled a training step pays under'
              ' 1 MiB of it, one that compiled only a trivial program ~12 MiB.'
              if compiler_bytes else '')
+          + (f' That includes {text.format_bytes(unpaid_bytes)} for XLA\'s compiler'
+             ' start-up, which this process has not paid (it compiled nothing since'
+             ' kd_ckpt was imported) and this refusal did not pay either: a process'
+             ' that has compiled a training step pays under 1 MiB of it.'
+             if unpaid_bytes else '')
           + (f' It paid {text.format_bytes(storage_bytes)} to start the storage clients'
              ' (the first gs:// access of this process: gcsfs, TensorStore\'s HTTP'
              ' transport); a process that has touched the bucket before does not.'
@@ -412,6 +429,16 @@ def _reads_numpy(args) -> bool:
     return any(getattr(a, 'restore_type', None) not in (None, jax.Array)
                for a in jax.tree_util.tree_leaves(args.restore_args))
   return any(isinstance(x, np.ndarray) for x in jax.tree_util.tree_leaves(args.item))
+
+
+def _asks_layouts(args) -> bool:
+  """Whether a restore's target names device-local layouts (`Format`s, with
+  `support_layout`), which place leaves through relayout programs."""
+  if isinstance(args, ocp.args.PyTreeRestore):
+    return any(not isinstance(s, (type(None), jax.sharding.Sharding)) for s in (
+        getattr(a, 'sharding', None) for a in jax.tree_util.tree_leaves(args.restore_args)))
+  return bool(getattr(args, 'support_layout', False)) and any(
+      getattr(x, 'format', None) is not None for x in jax.tree_util.tree_leaves(args.item))
 
 
 def check_structure(directory, target: Any, params=None) -> None:

@@ -99,6 +99,9 @@ class ReadContext:
   compiler_pending: bool = False
   # What that start-up took, named in refusals (part of `startup_bytes`).
   compiler_bytes: int = 0
+  # `compiler_bytes` is the start-up's estimate, not paid
+  # (`startup.pending_compiler_bytes`): a price, or a refusal before paying.
+  compiler_estimated: bool = False
   # The restore's host_ram_budget (0: not known), named in refusals: raising
   # it raises `pieces_capacity_bytes` byte for byte.
   budget_bytes: int = 0
@@ -1595,7 +1598,12 @@ def _admit_programs(ctx: ReadContext, leaves) -> tuple[ReadContext, set]:
          ' (custom layouts, other memory kinds)' if staged else '')
       + f', and the budget leaves {text.format_bytes(max(ctx.pieces_capacity_bytes, 0))}'
       f' for them and the pieces read: {_raise_to(ctx, _least_budget(ctx, leaves))}'
-      + (f' This restore first paid {text.format_bytes(ctx.compiler_bytes)} for XLA\'s'
+      + (f' That counts {text.format_bytes(ctx.compiler_bytes)} for XLA\'s compiler'
+         ' start-up, which this process has not paid (it compiled nothing since kd_ckpt'
+         ' was imported) and this refusal did not pay either: a process that has'
+         ' compiled a training step pays under 1 MiB of it.'
+         if ctx.compiler_bytes and ctx.compiler_estimated else
+         f' This restore first paid {text.format_bytes(ctx.compiler_bytes)} for XLA\'s'
          ' compiler start-up (the first compile of the ops kd_ckpt uses in this'
          ' process): a process that has compiled a training step pays under 1 MiB of it.'
          if ctx.compiler_bytes else ''))
@@ -1667,7 +1675,10 @@ def _pay_compiler(ctx: ReadContext, held: contextlib.AsyncExitStack | None) -> R
   128 MiB, 0.13 s and 18-25 MiB beyond its arrays, against 0.23 s and 73-77
   MiB paying it up front (`bench/results/cold_restore.md`).
   """
-  paid = startup.start_compiler()
+  # A price (a refused restore) counts a start-up not yet paid without
+  # paying it (`startup.pending_compiler_bytes`).
+  estimated = startup.pending_compiler_bytes() if ctx.price_only else 0
+  paid = estimated or startup.start_compiler()
   pieces = ctx.pieces_capacity_bytes - paid
   if held is not None and paid and pieces > 0:
     # Its RSS stays (jaxlib's code pages, mostly): held until the read ends.
@@ -1675,6 +1686,7 @@ def _pay_compiler(ctx: ReadContext, held: contextlib.AsyncExitStack | None) -> R
     held.callback(ctx.limiter.release, paid)
   return dataclasses.replace(
       ctx, compiler_pending=False, compiler_bytes=ctx.compiler_bytes + paid,
+      compiler_estimated=bool(estimated),
       startup_bytes=ctx.startup_bytes + paid, capacity_bytes=ctx.capacity_bytes - paid,
       pieces_capacity_bytes=pieces,
       piece_bytes=min(ctx.piece_bytes, cost.restore_piece_bytes(max(pieces, 1))))
@@ -2286,6 +2298,11 @@ async def read_arrays(handler, infos, args, ctx: ReadContext, stock_read=None) -
         except plan_lib.BudgetTooSmallError:
           pass  # refused for its programs: it compiles, and names a budget that holds the start-up
         if planned is None or planned[2]:
+          if startup.pending_compiler_bytes():
+            # Refused even with the start-up's estimate: refused before paying
+            # it, which could alone exceed a budget above the floor.
+            _admit_programs(_pay_compiler(dataclasses.replace(ctx, price_only=True), None),
+                            admitted(leaves))
           # Here, in the thread that runs Orbax's event loop (the caller's),
           # not in the fill's: started from a reader thread, whose malloc
           # arena is new, the same start-up measured 2-4 MiB more.

@@ -85,15 +85,16 @@ class MeasuredSave:
     # Reuse (or `fingerprint`): every leaf's fingerprint is recorded, so the
     # next save can reuse what this one wrote.
     fingerprint = fingerprint or reuse_from is not None
-    # A process that never compiled pays XLA's start-up here, before any
-    # buffer exists, and the plan shares what is left of the budget.
+    # A process that never compiled pays XLA's start-up here (in
+    # `plan_save`, once the budget is known, unless the save is refused even
+    # with its estimate), before any buffer exists, and the plan shares what
+    # is left of the budget.
     # Likewise a process's first touch of a bucket (its storage clients),
     # and the fingerprints' device programs, which XLA keeps: 200 leaf
     # shapes compiled 155 MiB on a 64 MiB budget before they were charged.
     self.plan = plan_lib.plan_save(
         tree, host_ram_budget=host_ram_budget, strategy=strategy,
-        startup_bytes=(startup.start_compiler() if startup.compiles(tree) else 0)
-        + startup.start_storage(directory),
+        startup_bytes=startup.start_storage(directory), pay_compiler=startup.compiles(tree),
         fingerprint_programs=reuse_lib.fingerprint_programs_by_way(tree) if fingerprint else 0,
         save_id=self.directory, blocking=blocking)
     self.stats = arrays_lib.SaveStats()

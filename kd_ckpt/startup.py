@@ -20,6 +20,11 @@ process that checkpoints to a bucket has paid it at its first listing of
 the workdir; a restore script has not.  `start_storage()` pays it up front
 in the same way.
 
+A save or restore that its budget refuses whatever the start-up costs does
+not pay it to find out: `pending_compiler_bytes()` is what it would cost
+(`cost.COMPILER_STARTUP_BYTES` in a process that has compiled nothing since
+kd_ckpt was imported, else 0), and the refusal names a budget with it.
+
 Example:
 
   startup_bytes = startup.start_compiler()   # 0 once the process has compiled
@@ -35,10 +40,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kd_ckpt import cost
 from kd_ckpt import hostmem
 
 _lock = threading.Lock()
 _started = False
+_compiled = False  # a backend compile seen since this module was imported
+
+# jax reports each backend compile as this event (jax/_src/dispatch.py).
+_COMPILE_EVENT = '/jax/core/compile/backend_compile_duration'
+
+
+def _on_event_duration(event: str, duration_secs: float, **kwargs) -> None:
+  del duration_secs, kwargs
+  global _compiled
+  if event == _COMPILE_EVENT:
+    _compiled = True
+
+
+# A Kauldron run imports kd_ckpt with its config, before its first jit: its
+# start-up is then known to be paid.  (A listener only sets a flag.)
+jax.monitoring.register_event_duration_secs_listener(_on_event_duration)
 
 
 def _programs(x, i):
@@ -75,6 +97,23 @@ def start_compiler() -> int:
 def compiler_started() -> bool:
   """Whether `start_compiler` has run in this process (it then costs nothing)."""
   return _started
+
+
+def pending_compiler_bytes() -> int:
+  """What `start_compiler` would cost this process, without running it.
+
+  0 once it ran, or once anything compiled since kd_ckpt was imported (it
+  then costs 0.2-12 MiB, less than any budget's floor); otherwise
+  `cost.COMPILER_STARTUP_BYTES`, the start-up of a process that never
+  compiled (a process that compiled before importing kd_ckpt is counted so
+  too: the estimate only ever names a larger budget).  A save or restore
+  refused at `budget < floor + pending_compiler_bytes()` is refused without
+  paying it.
+
+    if budget_bytes < floor_bytes + startup.pending_compiler_bytes():
+      ...  # refuse, naming floor_bytes + that estimate; nothing was paid
+  """
+  return 0 if _started or _compiled else cost.COMPILER_STARTUP_BYTES
 
 
 def _rss_cost(fn) -> int:
