@@ -140,6 +140,31 @@ class _PyTreeRestore(ocp.args.PyTreeRestore):
   pass
 
 
+# Orbax's CheckpointManager (Kauldron's `Checkpointer`, and the loaders built
+# on it: `kd.ckpts.SimpleCheckpointLoader`) registers a handler it is given
+# under the args classes registered for that handler's class, then looks a
+# restore's args up by their exact class: `StandardRestore`, `PyTreeRestore`.
+# Registered only under `_Restore` and the like, kd_ckpt's handlers made every
+# such restore in a block fail ('does not match with any registered
+# handler').  Inside a block Orbax's own args name kd_ckpt's handlers
+# (Orbax's public registration), and name Orbax's again after it.
+_ORBAX_ARGS = ((ocp.args.StandardSave, True, StandardHandler),
+               (ocp.args.StandardRestore, False, StandardHandler),
+               (ocp.args.PyTreeSave, True, PyTreeHandler),
+               (ocp.args.PyTreeRestore, False, PyTreeHandler))
+
+
+def _register_args(handlers: dict) -> dict:
+  """Registers each of Orbax's args classes with `handlers[cls]`; returns
+  the handler classes they were registered with before."""
+  before = {}
+  for args_cls, for_save, _ in _ORBAX_ARGS:
+    before[args_cls] = ocp.args.get_registered_handler_cls(args_cls)
+    ocp.args.register_with_handler(handlers[args_cls], for_save=for_save,
+                                   for_restore=not for_save)(args_cls)
+  return before
+
+
 def restores_read() -> int:
   """How many restores read through these handlers so far in this process."""
   return _reads
@@ -152,8 +177,10 @@ def _install(host_ram_budget: budget_lib.BudgetLike, strategy: str):
   previous_tree = compat.replace_pytree_checkpoint_handler(PyTreeHandler)
   previous_public = ocp.StandardCheckpointHandler, ocp.PyTreeCheckpointHandler
   ocp.StandardCheckpointHandler, ocp.PyTreeCheckpointHandler = StandardHandler, PyTreeHandler
+  previous_args = _register_args({a: h for a, _, h in _ORBAX_ARGS})
 
   def uninstall():
+    _register_args(previous_args)
     ocp.StandardCheckpointHandler, ocp.PyTreeCheckpointHandler = previous_public
     compat.replace_pytree_checkpoint_handler(previous_tree)
     compat.replace_standard_checkpoint_handler(previous)

@@ -191,3 +191,53 @@ def test_init_within_budget_runs_the_wrapped_loader_inside_the_block(tmp_path, c
   with pytest.raises(kd_ckpt.BudgetTooSmallError):  # the budget binds the loader's reads
     kd_ckpt_kauldron.InitWithinBudget(wrapped=Load(), host_ram_budget='1MiB').transform(target)
   assert ocp.StandardCheckpointHandler is not orbax_scope.StandardHandler
+
+
+def test_kauldrons_checkpoint_loaders_read_through_kd_ckpt_inside_the_block(tmp_path):
+  """Kauldron's `Checkpointer` (an Orbax CheckpointManager) looks a restore's
+  handler up by its args' exact class: inside a block every one of its
+  restores failed ('does not match with any registered handler'), so
+  `InitWithinBudget(wrapped=kd.ckpts.SimpleCheckpointLoader(...))`, a
+  fine-tune's start from another Kauldron run, could not load at all.  Now
+  its reads go through kd_ckpt, within the budget, and after the block
+  Orbax's args name Orbax's handlers again."""
+  kd_ckpt_kauldron = pytest.importorskip('kd_ckpt.kauldron')
+  import flax  # pylint: disable=g-import-not-at-top
+  from kauldron import kd  # pylint: disable=g-import-not-at-top
+
+  @flax.struct.dataclass
+  class State(kd.ckpts.items.StandardCheckpointItem):
+    step: int
+    params: dict
+    opt_state: dict
+    collections: dict
+
+  tree = _tree()
+  with kd_ckpt.SafeCheckpointer(workdir=tmp_path / 'w', save_interval_steps=1) as ckpt:
+    ckpt.save(State(step=2, params=tree, opt_state={'m': jax.numpy.zeros(3)}, collections={}),
+              step=2)
+    ckpt.wait_until_finished()
+  fresh = lambda: State(step=0, params=states.abstract_of(tree),
+                        opt_state={'m': jax.numpy.ones(3)}, collections={})
+  before = orbax_scope.restores_read()
+  loader = kd.ckpts.SimpleCheckpointLoader(workdir=tmp_path / 'w')
+  back = kd_ckpt_kauldron.InitWithinBudget(wrapped=loader, host_ram_budget='64MiB').transform(
+      fresh())
+  loader.close()
+  assert orbax_scope.restores_read() == before + 1
+  for k in tree:
+    np.testing.assert_array_equal(np.asarray(back.params[k]), np.asarray(tree[k]))
+  np.testing.assert_array_equal(np.asarray(back.opt_state['m']), np.ones(3))  # not loaded
+  # The whole state through a Checkpointer built in the block, and the budget binds it.
+  with kd_ckpt.within_budget('64MiB'):
+    with kd.ckpts.Checkpointer(workdir=tmp_path / 'w', save_interval_steps=1) as ckpt:
+      back = ckpt.restore(fresh(), step=2, donate=False)
+  np.testing.assert_array_equal(np.asarray(back.opt_state['m']), np.zeros(3))
+  assert orbax_scope.restores_read() == before + 2
+  with pytest.raises(kd_ckpt.BudgetTooSmallError):
+    with kd_ckpt.within_budget('1MiB'):
+      with kd.ckpts.Checkpointer(workdir=tmp_path / 'w', save_interval_steps=1) as ckpt:
+        ckpt.restore(fresh(), step=2, donate=False)
+  for args_cls in (ocp.args.StandardSave, ocp.args.StandardRestore, ocp.args.PyTreeSave,
+                   ocp.args.PyTreeRestore):
+    assert ocp.args.get_registered_handler_cls(args_cls).__module__.startswith('orbax.'), args_cls
