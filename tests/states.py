@@ -726,7 +726,10 @@ def _worker(argv):
                              kd_ckpt.within_budget, VIA=gemma: Gemma's
                              gm.ckpts.load_params inside it, VIA=pytree: Orbax's
                              PyTreeCheckpointer inside it (MaxText's loader);
-                             VIA=orbax, gemma_stock and pytree_stock: the same
+                             VIA=simple: Kauldron's SimpleCheckpointLoader of
+                             a `ckpt` save's step 1 in InitWithinBudget;
+                             VIA=orbax, gemma_stock, pytree_stock and
+                             simple_stock: the same
                              without kd_ckpt, the budget unused); peak and the
                              restored bytes
     reuse   STRATEGY BUDGET  kd_ckpt.save(fingerprint=True) of the state with
@@ -889,6 +892,23 @@ def _worker(argv):
       with hostmem.PeakRss() as peak:
         back = ckpt.restore(State(params=abstract), step=1, donate=False)
         jax.block_until_ready(back)
+    elif via in ('simple', 'simple_stock'):
+      # A fine-tune's start from another Kauldron run (a `ckpt` save here):
+      # Kauldron's `SimpleCheckpointLoader` (an Orbax CheckpointManager), in
+      # `InitWithinBudget` ('simple') or alone.
+      from kauldron import kd  # pylint: disable=g-import-not-at-top
+      import flax  # pylint: disable=g-import-not-at-top
+
+      @flax.struct.dataclass
+      class State(kd.ckpts.items.StandardCheckpointItem):  # pylint: disable=function-redefined
+        params: dict
+
+      loader = kd.ckpts.SimpleCheckpointLoader(workdir=directory, step=1)
+      if via == 'simple':
+        loader = kd_ckpt.InitWithinBudget(wrapped=loader, host_ram_budget=budget)
+      with hostmem.PeakRss() as peak:
+        back = loader.transform(State(params=abstract))
+        jax.block_until_ready(back)
     elif via in LOADERS:
       # Code that builds its own Orbax checkpointer (a weights loader).
       scope = (kd_ckpt.within_budget(budget) if via in ('standard', 'gemma', 'pytree')
@@ -937,7 +957,7 @@ def _worker(argv):
            'budget_bytes': budget_lib.resolve(budget, hostmem.probe())}
     if via in LOADERS:
       out['seconds'] = seconds
-    got = _digests(back.params if via == 'ckpt' else back)
+    got = _digests(back.params if via in ('ckpt', 'simple', 'simple_stock') else back)
     if got != want:
       bad = sorted(k for k in want if got.get(k) != want[k])
       raise SystemExit(f'restored values differ from the saved ones: {bad[:5]}')

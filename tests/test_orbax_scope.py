@@ -241,3 +241,21 @@ def test_kauldrons_checkpoint_loaders_read_through_kd_ckpt_inside_the_block(tmp_
   for args_cls in (ocp.args.StandardSave, ocp.args.StandardRestore, ocp.args.PyTreeSave,
                    ocp.args.PyTreeRestore):
     assert ocp.args.get_registered_handler_cls(args_cls).__module__.startswith('orbax.'), args_cls
+
+
+@pytest.mark.slow
+def test_kauldrons_loader_of_another_run_reads_within_the_budget(tmp_path):
+  """`InitWithinBudget(wrapped=kd.ckpts.SimpleCheckpointLoader(...))` in a
+  fresh process, from a Kauldron run's checkpoint (compressed, Orbax's
+  format): within the budget, where the loader alone is not."""
+  pytest.importorskip('kd_ckpt.kauldron')
+  d = str(tmp_path / 'w')
+  states.run_worker('ckpt', d, 'mesh2d_prime', str(STATE_BYTES), 'orbax', str(1 << 30))
+  got = {}
+  for via in ('simple', 'simple_stock'):
+    r = states.run_worker('restore', d, 'mesh2d_prime', str(STATE_BYTES), str(BUDGET), via)
+    got[via] = r['peak_extra_bytes'] - r['restored_bytes']
+  print(f"SimpleCheckpointLoader: {got['simple'] / MiB:.1f} MiB beyond the restored arrays in"
+        f" InitWithinBudget ({BUDGET // MiB} MiB), {got['simple_stock'] / MiB:.1f} MiB alone")
+  assert got['simple'] <= BUDGET + TOLERANCE, got
+  assert got['simple_stock'] > BUDGET + TOLERANCE, got  # what the budget stands against
