@@ -11,6 +11,8 @@ Example:
   print(kd_ckpt.inspect("/ckpt/step_100"))                  # leaves, how saved
   with kd_ckpt.within_budget("2GiB"):                       # code that builds its own
     params = gm.ckpts.load_params(path, params=params)      # ocp.StandardCheckpointer
+  mgr = ocp.CheckpointManager(d, handler_registry=kd_ckpt.handler_registry("2GiB"))
+  mgr.save(step, args=ocp.args.StandardSave(state))         # an Orbax loop, unchanged
 
   # Kauldron config (needs `pip install "kd_ckpt[kauldron]"`):
   cfg.checkpointer = kd_ckpt.SafeCheckpointer(save_interval_steps=500)
@@ -28,6 +30,7 @@ from kd_ckpt.compat import IncompatibleVersionError
 from kd_ckpt.storage import DiskFullError
 from kd_ckpt.storage import UnsupportedStorageError
 from kd_ckpt.exchange import ExchangeTimeoutError
+from kd_ckpt.handler import handler_registry
 from kd_ckpt.handler import SafePyTreeHandler
 from kd_ckpt.handler import SafeRestore
 from kd_ckpt.handler import SafeSave
@@ -72,6 +75,7 @@ __all__ = [
     'UnsupportedStorageError',
     'VerifyReport',
     'find_checkpoint',
+    'handler_registry',
     'inspect',
     'parse_budget',
     'plan_save',

@@ -19,6 +19,9 @@ Example:
   mgr = ocp.CheckpointManager(d, item_handlers=SafePyTreeHandler(host_ram_budget='4GiB'))
   mgr.save(step, args=SafeSave(state))          # plans itself
   state = mgr.restore(step, args=SafeRestore(abstract_state))
+
+A `CheckpointManager` matches a handler to its args' exact class: a loop
+that keeps Orbax's `StandardSave`/`PyTreeSave` args uses `handler_registry`.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from etils import epath
 import jax
@@ -419,6 +422,49 @@ class SafeRestore(ocp.args.StandardRestore):
 
   host_ram_budget: budget_lib.BudgetLike | None = None
   storage_startup_bytes: int = 0
+
+
+def handler_registry(host_ram_budget: budget_lib.BudgetLike = 'auto', *,
+                     strategy: str = 'auto', items: Sequence[str] = ('default',)) -> Any:
+  """An Orbax handler registry that saves and restores `items` through
+  `SafePyTreeHandler`, under Orbax's args as well as kd_ckpt's.
+
+  Orbax's `CheckpointManager` looks a call's handler up by the exact class
+  of its args.  A handler given as `item_handlers=` answers only to the args
+  registered with its class (`SafeSave`, `SafeRestore`): a loop that saves
+  with `ocp.args.StandardSave` or `PyTreeSave` then fails ('does not match
+  with any registered handler').  Under this registry it runs unchanged:
+  `StandardSave`/`StandardRestore`, `PyTreeSave`/`PyTreeRestore` (restore
+  args, transforms, partial restores) and `SafeSave`/`SafeRestore` all go
+  to one `SafePyTreeHandler` per item, with `host_ram_budget` and `strategy`.
+
+  Example:
+
+    mgr = ocp.CheckpointManager(d, handler_registry=kd_ckpt.handler_registry('4GiB'))
+    mgr.save(step, args=ocp.args.StandardSave(state))     # the loop as it was
+    state = mgr.restore(step, args=ocp.args.StandardRestore(abstract_state))
+
+    # Named items (MaxText's 'items'):
+    mgr = ocp.CheckpointManager(d, handler_registry=kd_ckpt.handler_registry(
+        '4GiB', items=('items',)))
+    mgr.save(step, args=ocp.args.Composite(items=ocp.args.PyTreeSave(state)))
+
+  Raises:
+    ValueError: a bad budget, strategy or item name, before anything is built.
+  """
+  items = (items,) if isinstance(items, str) else tuple(items)
+  bad = [i for i in items if not isinstance(i, str) or not i]
+  if bad or not items:
+    raise ValueError(f'items={items!r}: give the CheckpointManager item names as non-empty'
+                     " strings, e.g. items=('default',) (a manager's single item) or"
+                     " items=('state', 'params').")
+  registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+  for item in items:
+    handler = SafePyTreeHandler(host_ram_budget=host_ram_budget, strategy=strategy)
+    for args_cls in (SafeSave, SafeRestore, ocp.args.StandardSave, ocp.args.StandardRestore,
+                     ocp.args.PyTreeSave, ocp.args.PyTreeRestore):
+      registry.add(item, args_cls, handler)
+  return registry
 
 
 def _reads_numpy(args) -> bool:

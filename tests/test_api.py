@@ -307,3 +307,52 @@ def test_a_restore_of_many_small_leaves_reads_the_array_metadata_once(tmp_path, 
   np.testing.assert_array_equal(jax.random.key_data(back['key']), jax.random.key_data(tree['key']))
   for i in range(300):
     np.testing.assert_array_equal(np.asarray(back[f'l{i:03d}']), np.full((64,), i, np.float32))
+
+
+@pytest.mark.parametrize('strategy', ['auto', 'streaming'])
+def test_an_orbax_manager_loop_runs_unchanged_under_kd_ckpts_registry(tmp_path, strategy):
+  """`CheckpointManager(handler_registry=kd_ckpt.handler_registry(...))`:
+  Orbax's own args save and restore through `SafePyTreeHandler`.  With the
+  handler given as `item_handlers=`, Orbax's manager matched only
+  `SafeSave`/`SafeRestore`, and a loop saving `ocp.args.StandardSave` failed
+  ('does not match with any registered handler').  What it writes is a stock
+  checkpoint, and the budget binds."""
+  tree = _tree()
+  abstract = jax.eval_shape(lambda: tree)
+  same = lambda got: [np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(tree[k]))
+                      for k in tree]
+  with ocp.CheckpointManager(tmp_path / 'm', handler_registry=kd_ckpt.handler_registry(
+      '256MiB', strategy=strategy)) as mgr:
+    mgr.save(1, args=ocp.args.StandardSave(tree))
+    mgr.save(2, args=ocp.args.PyTreeSave(tree))
+    mgr.save(3, args=kd_ckpt.SafeSave(tree))
+    mgr.wait_until_finished()
+    for step in (1, 2, 3):
+      same(mgr.restore(step, args=ocp.args.StandardRestore(abstract)))
+    same(mgr.restore(2, args=ocp.args.PyTreeRestore(
+        abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))))
+    part = mgr.restore(1, args=ocp.args.PyTreeRestore({'b': abstract['b']}, partial_restore=True))
+    assert set(part) == {'b'}
+    np.testing.assert_array_equal(np.asarray(part['b']), np.asarray(tree['b']))
+    same(mgr.restore(3))
+  with ocp.CheckpointManager(tmp_path / 'm') as stock:  # no kd_ckpt
+    same(stock.restore(2, args=ocp.args.StandardRestore(abstract)))
+  # Named items, as MaxText's: a Composite of PyTree args.
+  with ocp.CheckpointManager(tmp_path / 'items', handler_registry=kd_ckpt.handler_registry(
+      '256MiB', strategy=strategy, items=('items',))) as mgr:
+    mgr.save(0, args=ocp.args.Composite(items=ocp.args.PyTreeSave(tree)))
+    mgr.wait_until_finished()
+    same(mgr.restore(0, args=ocp.args.Composite(items=ocp.args.PyTreeRestore(abstract)))['items'])
+  with ocp.CheckpointManager(tmp_path / 'tiny', handler_registry=kd_ckpt.handler_registry(
+      '1MiB', strategy=strategy)) as mgr:
+    with pytest.raises(kd_ckpt.BudgetTooSmallError, match='host_ram_budget'):
+      mgr.save(0, args=ocp.args.StandardSave(tree))
+      mgr.wait_until_finished()
+
+
+@pytest.mark.parametrize('bad', [(), ('',), (3,)])
+def test_a_registry_names_bad_items_before_anything(bad):
+  with pytest.raises(ValueError, match='item names'):
+    kd_ckpt.handler_registry(items=bad)
+  with pytest.raises(ValueError, match='host_ram_budget'):
+    kd_ckpt.handler_registry('lots')
