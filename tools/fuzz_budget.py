@@ -79,7 +79,7 @@ def _named_budget(error: str, budget: int) -> int | None:
 
 def _case(rng, seed: int) -> dict:
   import numpy as np  # pylint: disable=g-import-not-at-top
-  return dict(
+  case = dict(
       seed=seed,
       total_bytes=_log_uniform(rng, 2 * MiB, 192 * MiB),
       writer=WRITERS[int(rng.integers(len(WRITERS)))],
@@ -103,7 +103,15 @@ def _case(rng, seed: int) -> dict:
       # kd_ckpt.restore(support_layout=True) onto custom device-local layouts
       # for about half the arrays of rank >= 2 (`tests.states.custom_layouts`).
       layout=bool(np.random.default_rng([seed, 8]).random() < 0.2),
+      # A third of Kauldron's restores are another run's start instead:
+      # `kd.ckpts.SimpleCheckpointLoader` inside `InitWithinBudget`.
+      loader=bool(np.random.default_rng([seed, 10]).random() < 1 / 3),
   )
+  if case['kauldron'] and case['loader']:
+    # The loader restores without restore args: onto the saved shardings,
+    # whatever the target's (Orbax's PyTree handler, stock or not).
+    case['reshard'] = False
+  return case
 
 
 def _run(states, args: list[str], env: dict | None = None) -> tuple[dict | None, str]:
@@ -232,7 +240,8 @@ def run_case(states, case: dict, root: str, tolerance: int, verbose: bool,
         else ['reuse' if case.get('reuse') else 'save', path, state, total, writer,
               str(budget)]))
     restore = lambda budget, env: _run(states, ['restore', path, state, total, str(budget)]
-                                       + (['ckpt'] if kauldron else []), env=env)
+                                       + ([('simple' if case.get('loader') else 'ckpt')]
+                                          if kauldron else []), env=env)
   if kauldron:
     writer = 'SafeCheckpointer auto'  # the save's peak: the whole async save
   problems, notes = [], []
@@ -269,6 +278,7 @@ def run_case(states, case: dict, root: str, tolerance: int, verbose: bool,
     return problems + [failed] + (notes if verbose else [])
   beyond = out['peak_extra_bytes'] - out['restored_bytes']
   notes.append(f"restore {'copying' if case['copying'] else 'shared'}"
+               f"{' by SimpleCheckpointLoader' if kauldron and case.get('loader') else ''}"
                f"{' resharded' if case.get('reshard') else ''}"
                f"{' strict=False' if 'KD_TEST_LOOSE' in env else ''}"
                f"{' custom layouts' if 'KD_TEST_LAYOUT' in env else ''} @{rbudget / MiB:.1f} MiB "
@@ -323,6 +333,7 @@ def main(argv=None) -> int:
             f"{'copying' if case['copying'] else 'shared'}{' resharded' if case['reshard'] else ''}"
             f"{' strict=False' if case['loose'] and not case['kauldron'] else ''}"
             f"{' custom layouts' if case['layout'] and not case['kauldron'] else ''}"
+            f"{' by SimpleCheckpointLoader' if case['loader'] and case['kauldron'] else ''}"
             f" @{case['restore_budget'] / MiB:.1f} MiB")
     if args.verbose:
       tree = states.make_state(_state_name(case), case['total_bytes'])
