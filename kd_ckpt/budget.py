@@ -64,7 +64,7 @@ def parse(value: BudgetLike) -> BudgetSpec:
   hint = (
       'Use "auto", a number of bytes (e.g. 536870912), a size string such as'
       ' "512MiB" or "8GB", or a fraction of available memory in (0, 1] such'
-      ' as 0.25.'
+      ' as 0.25 (or "0.25", "25%").'
   )
   if isinstance(value, BudgetSpec):
     return value
@@ -88,6 +88,15 @@ def parse(value: BudgetLike) -> BudgetSpec:
     text = value.strip()
     if text.lower() == 'auto':
       return BudgetSpec(text='auto', fraction=AUTO_FRACTION)
+    # A fraction written as text, as command lines pass it ('0.25', '25%'):
+    # read as bytes, '0.25' was refused as "not positive".
+    if (pct := re.fullmatch(r'([0-9]*\.?[0-9]+)\s*%', text)) is not None:
+      return parse(float(pct.group(1)) / 100) if 0 < float(pct.group(1)) <= 100 else _refuse(
+          value, f'a percentage of available memory must be in (0%, 100%]. {hint}')
+    if re.fullmatch(r'[0-9]*\.[0-9]+', text):
+      return parse(float(text)) if float(text) <= 1 else _refuse(
+          value, 'a number with a decimal point and no unit is a fraction of available'
+          f' memory and must be in (0, 1]. For bytes write "{text}GiB" or an integer. {hint}')
     m = _PATTERN.match(text)
     if not m or m.group(2).lower() not in _UNITS:
       raise ValueError(f'Cannot parse host_ram_budget={value!r}. {hint}')
@@ -98,6 +107,10 @@ def parse(value: BudgetLike) -> BudgetSpec:
   raise ValueError(
       f'Invalid host_ram_budget={value!r} of type {type(value).__name__}. {hint}'
   )
+
+
+def _refuse(value, why: str):
+  raise ValueError(f'host_ram_budget={value!r}: {why}')
 
 
 def resolve(spec: BudgetLike | BudgetSpec, mem: hostmem.HostMemory) -> int:

@@ -91,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
       default=None,
       help=(
           'extra host RAM a save may add: "auto", bytes, "16GiB", or a'
-          " fraction in (0, 1] (default: the config's SafeCheckpointer"
+          " fraction of available memory: 0.25 or 25%% (default: the config's SafeCheckpointer"
           ' value, else "auto")'
       ),
   )

@@ -25,6 +25,17 @@ def test_parse_bytes(text, expected):
 def test_parse_fraction_and_auto():
   assert budget.parse(0.25).fraction == 0.25
   assert budget.parse('auto').fraction == budget.AUTO_FRACTION
+  # As a command line passes them: read as bytes, '0.25' was refused as not positive.
+  assert budget.parse('0.25').fraction == 0.25 and budget.parse('.5').fraction == 0.5
+  assert budget.parse('25%').fraction == 0.25 and budget.parse('100 %').fraction == 1.0
+  assert budget.parse('1.0').fraction == 1.0 and budget.parse('1').bytes == 1
+
+
+@pytest.mark.parametrize('bad', ['0%', '150%', '1.5', '0.0'])
+def test_parse_names_a_bad_fraction_written_as_text(bad):
+  with pytest.raises(ValueError, match='host_ram_budget') as e:
+    budget.parse(bad)
+  assert repr(bad) in str(e.value) or bad in str(e.value), e.value
 
 
 @pytest.mark.parametrize('bad', [0, -5, '0MiB', '-1GB', 'lots', '12 parsecs', 1.5, 0.0, True, None, [1]])

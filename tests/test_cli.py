@@ -182,6 +182,16 @@ def test_plan_budget_and_strategy_from_config_args(capsys):
   ], capsys)
   assert code == 0, err
   assert json.loads(out)['budget_bytes'] == 2**30
+  # A fraction of available memory, as the help says (it was refused as not positive).
+  from kd_ckpt import budget as budget_lib  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import hostmem  # pylint: disable=g-import-not-at-top
+  for fraction in ('0.25', '25%'):
+    code, out, err = _run_cli([
+        'plan', f'--cfg={CONFIG}', '--cfg.__args__.tiny=True', f'--host-ram-budget={fraction}',
+        '--json'], capsys)
+    assert code == 0, err
+    want = budget_lib.resolve(0.25, hostmem.probe())
+    assert abs(json.loads(out)['budget_bytes'] - want) < want / 5, (out[:300], want)
 
 
 @pytest.mark.parametrize('args,message', [
