@@ -184,7 +184,7 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     # Plain StandardSave args (e.g. Orbax's own code) bring no plan: plan here.
     plan = getattr(args, 'plan', None) or plan_lib.plan_save(
         item, host_ram_budget=self._budget, strategy=self._strategy,
-        pay_compiler=startup.compiles(item),
+        pay_startup=True,
         save_id=directory, blocking=False)
     ctx = getattr(args, 'context', None) or context_for(plan)
     if plan.strategy == 'streaming':

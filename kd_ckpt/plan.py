@@ -450,7 +450,7 @@ def plan_from_estimate(
     est: estimate_lib.TreeEstimate, *, budget_bytes: int, budget_text: str = '',
     strategy: str = 'auto', startup_bytes: int = 0,
     fingerprint_programs: int | Mapping[str, int] = 0,
-    blocking: bool = True, unpaid_startup_bytes: int = 0) -> SavePlan:
+    blocking: bool = True, unpaid_startup: Mapping[str, int] | None = None) -> SavePlan:
   """Chooses among `candidates_for(est)`; raises BudgetTooSmallError if none fits.
 
   `startup_bytes` were already spent by this save (`kd_ckpt.startup`), and
@@ -458,9 +458,9 @@ def plan_from_estimate(
   or one for each of `WAYS`): each candidate shares what is left after its
   own, and its prediction includes both.
   `blocking`: the save returns only once durable (`plan_save`).
-  `unpaid_startup_bytes`: the part of `startup_bytes` that is an estimate of
-  a start-up not paid yet (`plan_save(pay_compiler=True)`), which a
-  refusal says.
+  `unpaid_startup`: the parts of `startup_bytes` that are estimates of
+  start-ups not paid yet, {'compiler': bytes, 'storage': bytes}
+  (`plan_save(pay_startup=True)`), which a refusal names.
   """
   check_strategy(strategy)
   startup_bytes = max(0, int(startup_bytes))
@@ -473,8 +473,8 @@ def plan_from_estimate(
   stream = next(c for c in cands if c.strategy == 'streaming')
   best_orbax = _best_orbax(cands, budget_bytes)
 
-  unpaid_startup_bytes = min(startup_bytes, max(0, int(unpaid_startup_bytes)))
-  paid_startup_bytes = startup_bytes - unpaid_startup_bytes
+  unpaid = {k: int(v) for k, v in (unpaid_startup or {}).items() if v}
+  paid_startup_bytes = max(0, startup_bytes - sum(unpaid.values()))
 
   def startup_note(way: str) -> str:
     note = (
@@ -483,12 +483,15 @@ def plan_from_estimate(
         ' uses in this process, and the storage clients at its first gs:// access); a'
         ' process that has compiled a training step and touched its bucket pays'
         ' almost none of it.' if paid_startup_bytes else '')
-    if unpaid_startup_bytes:
-      note += (
-          f' The budget named includes {text.format_bytes(unpaid_startup_bytes)} for'
-          ' XLA\'s compiler start-up, which this process has not paid (it compiled'
-          ' nothing since kd_ckpt was imported) and this refusal did not pay either: a'
-          ' process that has compiled a training step pays under 1 MiB of it.')
+    if unpaid:
+      parts = [f'{text.format_bytes(unpaid[k])} for {what}' for k, what in (
+          ('compiler', 'XLA\'s compiler start-up (this process compiled nothing since'
+           ' kd_ckpt was imported; one that has compiled a training step pays under 1 MiB'
+           ' of it)'),
+          ('storage', 'the storage clients (this process\'s first gs:// access)'))
+               if k in unpaid]
+      note += (f' The budget named includes {" and ".join(parts)}, one-time start-up'
+               ' that this refusal did not pay.')
     if programs[way]:
       note += (
           f' Its fingerprints (reuse) compile {programs[way]} programs on the'
@@ -587,7 +590,7 @@ def plan_save(
     fingerprint_programs: int | Mapping[str, int] = 0,
     save_id=None,
     blocking: bool = True,
-    pay_compiler: bool = False,
+    pay_startup: bool = False,
 ) -> SavePlan:
   """Plans a save of `tree` within `host_ram_budget`, copying nothing.
 
@@ -614,12 +617,13 @@ def plan_save(
       saves with reuse pass): each candidate is charged its own way's.
     save_id: the destination of the save this plans (saves pass it), which
       names its exchanges in a multi-process job.  None: a preflight.
-    pay_compiler: the save compiles (its tree holds jax.Arrays): pay XLA's
-      compiler start-up (`startup.start_compiler`) once the budget is known
-      and add it to `startup_bytes`, unless the save is refused even with
-      the start-up's estimate (`startup.pending_compiler_bytes`), which is
-      then named in the budget and not paid.  Saves pass it; a preflight
-      leaves it False.
+    pay_startup: pay the one-time start-ups the save needs once the budget
+      is known, and add them to `startup_bytes`: XLA's compiler if `tree`
+      holds jax.Arrays (`startup.start_compiler`), the storage clients if
+      `save_id` is a bucket path (`startup.start_storage`).  Unless the save
+      is refused even with their estimates (`startup.pending_compiler_bytes`,
+      `pending_storage_bytes`): those are then named in the budget and not
+      paid.  Saves pass it; a preflight leaves it False.
     blocking: the save returns only once durable, as `kd_ckpt.save` does;
       then 'auto' streams trees of small leaves (and on the CPU backend
       trees of at least 1 GiB), which kd_ckpt's writer saves faster than
@@ -643,25 +647,30 @@ def plan_save(
   est = estimate_lib.estimate_tree(tree, platform=platform)
   with exchange.save_round(save_id):
     budget_bytes = agreed_budget(spec, memory, est.process_count)
-    pending = startup.pending_compiler_bytes() if pay_compiler else 0
+    compiles = pay_startup and startup.compiles(tree)
+    touches = pay_startup and save_id is not None
+    pending = {'compiler': startup.pending_compiler_bytes() if compiles else 0,
+               'storage': startup.pending_storage_bytes(save_id) if touches else 0}
     if est.process_count > 1:
       # Slices (the zarr chunks every process writes into) must be the same
       # everywhere: every process plans with the largest start-up.
       programs = _programs_by_way(fingerprint_programs)
       agreed = [int(n) for n in exchange.agree(
-          [startup_bytes, pending] + [programs[w] for w in WAYS],
-          what='the start-up').max(axis=0)]
-      startup_bytes, pending = agreed[:2]
-      fingerprint_programs = dict(zip(WAYS, agreed[2:]))
+          [startup_bytes, pending['compiler'], pending['storage']]
+          + [programs[w] for w in WAYS], what='the start-up').max(axis=0)]
+      startup_bytes, pending = agreed[0], {'compiler': agreed[1], 'storage': agreed[2]}
+      fingerprint_programs = dict(zip(WAYS, agreed[3:]))
     plan = functools.partial(plan_from_estimate, est, budget_bytes=budget_bytes,
                              budget_text=spec.text, fingerprint_programs=fingerprint_programs,
                              strategy=strategy, blocking=blocking)
-    if pending:
-      # Refused even with the start-up's estimate: refused before paying it (a
-      # fresh process's save at 16 MiB paid ~54 MiB to be refused).
-      plan(startup_bytes=startup_bytes + pending, unpaid_startup_bytes=pending)
-    if pay_compiler:
-      paid = startup.start_compiler()
+    if any(pending.values()):
+      # Refused even with the start-ups' estimates: refused before paying them
+      # (a fresh process's save at 16 MiB paid ~54 MiB to be refused, ~51 MiB
+      # to a bucket).
+      plan(startup_bytes=startup_bytes + sum(pending.values()), unpaid_startup=pending)
+    if pay_startup:
+      paid = ((startup.start_compiler() if compiles else 0)
+              + (startup.start_storage(save_id) if touches else 0))
       if est.process_count > 1:
         paid = int(exchange.agree([paid], what='the compiler start-up').max())
       startup_bytes += paid

@@ -41,7 +41,6 @@ from kd_ckpt import integrity
 from kd_ckpt import plan as plan_lib
 from kd_ckpt import report as report_lib
 from kd_ckpt import reuse as reuse_lib
-from kd_ckpt import startup
 from kd_ckpt import storage
 
 
@@ -94,7 +93,7 @@ class MeasuredSave:
     # shapes compiled 155 MiB on a 64 MiB budget before they were charged.
     self.plan = plan_lib.plan_save(
         tree, host_ram_budget=host_ram_budget, strategy=strategy,
-        startup_bytes=startup.start_storage(directory), pay_compiler=startup.compiles(tree),
+        pay_startup=True,
         fingerprint_programs=reuse_lib.fingerprint_programs_by_way(tree) if fingerprint else 0,
         save_id=self.directory, blocking=blocking)
     self.stats = arrays_lib.SaveStats()

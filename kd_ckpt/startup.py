@@ -131,6 +131,18 @@ def _rss_cost(fn) -> int:
 _storage_started: set[str] = set()
 
 
+def pending_storage_bytes(directory) -> int:
+  """What `start_storage(directory)` would cost this process, without
+  running it: 0 for local paths and for a scheme it has started, else
+  `cost.STORAGE_STARTUP_BYTES` (a process that touched the bucket without
+  kd_ckpt is counted so too: the estimate only ever names a larger budget)."""
+  from kd_ckpt import storage  # pylint: disable=g-import-not-at-top
+  scheme = storage.scheme(directory)
+  if scheme is None or scheme not in storage.SUPPORTED_SCHEMES or scheme in _storage_started:
+    return 0
+  return cost.STORAGE_STARTUP_BYTES
+
+
 def start_storage(directory) -> int:
   """Starts the clients of `directory`'s storage if this process has not; returns the RSS that took.
 

@@ -583,6 +583,41 @@ def test_first_bucket_access_of_a_process_is_paid_inside_the_budget(server, buck
     states.run_worker('restore', d, 'prime', str(STATE_BYTES), str(48 * MiB))
 
 
+@pytest.mark.slow
+def test_a_cold_save_to_a_bucket_refused_anyway_pays_no_start_up(server, bucket):
+  """A fresh script's save to a bucket that its budget refuses even before
+  the storage clients start (~43 MiB) refuses without starting them: at 16
+  MiB it had peaked at 51 MiB to be refused.  The budget it names counts
+  their estimate (`cost.STORAGE_STARTUP_BYTES`) and holds in the next fresh
+  process."""
+  del server
+  code = '''
+import json, sys, jax, jax.numpy as jnp, kd_ckpt
+from kd_ckpt import hostmem
+tree = jax.block_until_ready({"w": jnp.ones((256, 256))})
+with hostmem.PeakRss() as peak:
+  try:
+    kd_ckpt.save(sys.argv[1], tree, host_ram_budget=sys.argv[2])
+    error = ""
+  except kd_ckpt.BudgetTooSmallError as e:
+    error = str(e)
+print(json.dumps({"error": error, "peak": peak.extra_bytes}))
+'''
+  d = f'{bucket}/cold'
+  run = lambda budget: json.loads(subprocess.run(
+      [sys.executable, '-c', code, d, budget], capture_output=True, text=True, timeout=300,
+      check=True, env={**os.environ, 'PYTHONPATH': str(pathlib.Path(__file__).parents[1])}
+  ).stdout.strip().splitlines()[-1])
+  r = run('16MiB')
+  assert 'storage clients' in r['error'] and 'did not pay' in r['error'], r
+  assert r['peak'] <= 16 * MiB + TOLERANCE, r
+  assert not epath.Path(d).exists()
+  named = re.search(r"to '(\d+)MiB' or more", r['error']).group(1)
+  r = run(f'{named}MiB')
+  assert not r['error'] and r['peak'] <= int(named) * MiB + TOLERANCE, r
+  _same(kd_ckpt.restore(d), {'w': np.ones((256, 256), np.float32)})
+
+
 # --- faults --------------------------------------------------------------------------
 
 FAULT_WORKER = '''
