@@ -66,6 +66,15 @@ def checkpoint_dir(directory) -> epath.Path:
   hint = ''
   if (path / 'default' / '_METADATA').exists():
     hint = f' It looks like a Kauldron step: pass its item folder {path / "default"}.'
+  else:
+    # A manager's or a workdir's root: name the checkpoint to pass (the
+    # latest step), not restore it silently.
+    try:
+      found, _ = find_checkpoint(path)
+      hint = (f' The latest checkpoint under it is {found}: pass that (it is'
+              f' `kd_ckpt.find_checkpoint({os.fspath(directory)!r})[0]`).')
+    except (NoCheckpointError, OSError):
+      pass
   raise NoCheckpointError(
       f'{path} is not an Orbax PyTree checkpoint (no _METADATA).{hint}'
       ' `python -m kd_ckpt inspect DIR` finds the checkpoints under a folder.')

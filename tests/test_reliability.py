@@ -109,6 +109,14 @@ def test_restore_of_a_folder_that_is_no_checkpoint(saved, tmp_path):
   (step / 'default' / '_METADATA').write_text('{}')
   with pytest.raises(ValueError, match='pass its item folder'):
     kd_ckpt.restore(step, _abstract(tree))
+  # A CheckpointManager's root: the error names its latest step's checkpoint.
+  root = tmp_path / 'mgr'
+  for n in (1, 3, 2):
+    kd_ckpt.save(root / str(n), {'a': np.full(3, n)})
+  with pytest.raises(kd_ckpt.NoCheckpointError, match=f'latest checkpoint under it is {root / "3"}'):
+    kd_ckpt.restore(root)
+  np.testing.assert_array_equal(kd_ckpt.restore(kd_ckpt.find_checkpoint(root)[0])['a'],
+                                np.full(3, 3))
 
 
 # --- save: bad input fails before anything is written --------------------------
