@@ -672,6 +672,6 @@ def plan_save(
       paid = ((startup.start_compiler() if compiles else 0)
               + (startup.start_storage(save_id) if touches else 0))
       if est.process_count > 1:
-        paid = int(exchange.agree([paid], what='the compiler start-up').max())
+        paid = int(exchange.agree([paid], what='the start-up paid').max())
       startup_bytes += paid
     return plan(startup_bytes=startup_bytes)

@@ -23,7 +23,8 @@ in the same way.
 A save or restore that its budget refuses whatever the start-up costs does
 not pay it to find out: `pending_compiler_bytes()` is what it would cost
 (`cost.COMPILER_STARTUP_BYTES` in a process that has compiled nothing since
-kd_ckpt was imported, else 0), and the refusal names a budget with it.
+kd_ckpt was imported, else 0), `pending_storage_bytes()` likewise for a
+save's bucket, and the refusal names a budget with them.
 
 Example:
 
@@ -134,9 +135,11 @@ _storage_started: set[str] = set()
 
 def pending_storage_bytes(directory) -> int:
   """What `start_storage(directory)` would cost this process, without
-  running it: 0 for local paths and for a scheme it has started, else
-  `cost.STORAGE_STARTUP_BYTES` (a process that touched the bucket without
-  kd_ckpt is counted so too: the estimate only ever names a larger budget)."""
+  running it: 0 for local paths, for a scheme it has started, and once
+  etils.epath has reached a bucket (gcsfs imported); else
+  `cost.STORAGE_STARTUP_BYTES` (a process that reached the bucket some
+  other way is counted so too: the estimate only ever names a larger
+  budget)."""
   from kd_ckpt import storage  # pylint: disable=g-import-not-at-top
   scheme = storage.scheme(directory)
   if scheme is None or scheme not in storage.SUPPORTED_SCHEMES or scheme in _storage_started:
