@@ -337,11 +337,7 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
              ' process): a process that has compiled a training step pays under'
              ' 1 MiB of it, one that compiled only a trivial program ~12 MiB.'
              if compiler_bytes else '')
-          + (f' That includes {text.format_bytes(unpaid_bytes)} for XLA\'s compiler'
-             ' start-up, which this process has not paid (it compiled nothing since'
-             ' kd_ckpt was imported) and this refusal did not pay either: a process'
-             ' that has compiled a training step pays under 1 MiB of it.'
-             if unpaid_bytes else '')
+          + (startup.unpaid_compiler_note(unpaid_bytes) if unpaid_bytes else '')
           + (f' It paid {text.format_bytes(storage_bytes)} to start the storage clients'
              ' (the first gs:// access of this process: gcsfs, TensorStore\'s HTTP'
              ' transport); a process that has touched the bucket before does not.'

@@ -1598,10 +1598,7 @@ def _admit_programs(ctx: ReadContext, leaves) -> tuple[ReadContext, set]:
          ' (custom layouts, other memory kinds)' if staged else '')
       + f', and the budget leaves {text.format_bytes(max(ctx.pieces_capacity_bytes, 0))}'
       f' for them and the pieces read: {_raise_to(ctx, _least_budget(ctx, leaves))}'
-      + (f' That counts {text.format_bytes(ctx.compiler_bytes)} for XLA\'s compiler'
-         ' start-up, which this process has not paid (it compiled nothing since kd_ckpt'
-         ' was imported) and this refusal did not pay either: a process that has'
-         ' compiled a training step pays under 1 MiB of it.'
+      + (startup.unpaid_compiler_note(ctx.compiler_bytes)
          if ctx.compiler_bytes and ctx.compiler_estimated else
          f' This restore first paid {text.format_bytes(ctx.compiler_bytes)} for XLA\'s'
          ' compiler start-up (the first compile of the ops kd_ckpt uses in this'

@@ -44,6 +44,7 @@ import numpy as np
 
 from kd_ckpt import cost
 from kd_ckpt import hostmem
+from kd_ckpt import text
 
 _lock = threading.Lock()
 _started = False
@@ -116,6 +117,14 @@ def pending_compiler_bytes() -> int:
       ...  # refuse, naming floor_bytes + that estimate; nothing was paid
   """
   return 0 if _started or _compiled else cost.COMPILER_STARTUP_BYTES
+
+
+def unpaid_compiler_note(nbytes: int) -> str:
+  """What a refusal says of the compiler start-up it counted but did not pay."""
+  return (f' That includes {text.format_bytes(nbytes)} for XLA\'s compiler start-up, which'
+          ' this process has not paid (it compiled nothing since kd_ckpt was imported) and'
+          ' this refusal did not pay either: a process that has compiled a training step'
+          ' pays under 1 MiB of it.')
 
 
 def _rss_cost(fn) -> int:
