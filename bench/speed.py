@@ -29,13 +29,16 @@ Three parts (`--part stall,scale,leaves`, default all):
           warnings go in the notes), and whether the last checkpoint restores
           to the state it was given (bit checksums).
   scale   Seconds per GB of one f32 leaf on one device at 128 MiB .. 4 GiB
-          (`--scale-sizes`): `kd_ckpt.save(strategy='streaming',
-          host_ram_budget=256MiB)` between two `dd if=/dev/zero bs=16M
-          conv=fsync` of the same bytes (x dd = the save over their mean), and
-          `ocp.StandardCheckpointer().save` + `wait_until_finished`; then each
-          restores its own checkpoint (`kd_ckpt.restore` at the budget,
-          `ocp.StandardCheckpointer().restore`), checked bit-exact.  Flatness:
-          the largest kd_ckpt s/GB over the smallest.
+          (`--scale-sizes`): `kd_ckpt.save(strategy='streaming' | 'auto',
+          host_ram_budget=256MiB)` and `ocp.StandardCheckpointer().save` +
+          `wait_until_finished`, the three in one process per size, their
+          saves taking turns (each round in a rotated order), each round
+          after a `dd if=/dev/zero bs=16M conv=fsync` of the same bytes (x dd =
+          a variant's median save over dd's median); then each restores its
+          own checkpoint (`kd_ckpt.restore` at the budget,
+          `ocp.StandardCheckpointer().restore`), checked bit-exact, in
+          rounds as well (the median).  At least one round per variant, so
+          each takes every place in the order once.  Flatness: the largest s/GB over the smallest, per variant.
   leaves  Per-leaf overhead: 10 .. 10,000 leaves of 4 KiB (`--leaf-counts`,
           `--leaf-bytes`) on one device, saved by kd_ckpt streaming, kd_ckpt
           auto (both at the budget) and Orbax default, each restored by its
@@ -74,6 +77,7 @@ import json
 import math
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -354,9 +358,11 @@ def _save_restore_worker(spec: dict) -> dict:
       raised = _accepted_budget(kd_ckpt, state, who.split()[1], spec['budget'])
       if raised:
         outs[who]['budget_used'] = budgets[who] = raised
-  dd = spec['part'] == 'scale' and variants != [ORBAX]
-  if dd:
-    outs[variants[0]]['dd_before_secs'] = _dd_secs(os.path.join(root, 'dd.bin'), spec['bytes'])
+  # Scale rows run `dd` of the same bytes at the start of every round, so
+  # that the disk's minute-to-minute swings (dd of 128 MiB: 0.10 s in one
+  # run, 0.27-0.41 s in another) land on dd and the saves alike.
+  dd = spec['part'] == 'scale'
+  dd_each: list[float] = []
   # Each variant saves `saves` times (the median is reported): one save of
   # tiny leaves takes ~0.03-15 s, where a single sample varies by ~10%.
   # Quick rows save on until LEAF_SAVE_SECS have passed (at most
@@ -372,13 +378,17 @@ def _save_restore_worker(spec: dict) -> dict:
   rounds = 0
   while True:
     k = rounds % len(variants)
+    if dd:
+      dd_each.append(_dd_secs(os.path.join(root, 'dd.bin'), spec['bytes']))
     for who in variants[k:] + variants[:k]:
       dest = f'{paths[who]}.{len(each[who])}'
       start = time.perf_counter()
       save(who, dest, state, budgets[who])
       each[who].append(time.perf_counter() - start)
     rounds += 1
-    more = rounds < saves or (max(map(sum, each.values())) < LEAF_SAVE_SECS and rounds < cap)
+    # Scale rows: every variant saves in every place of the order once.
+    least = max(saves, len(variants) if spec['part'] == 'scale' else 1)
+    more = rounds < least or (max(map(sum, each.values())) < LEAF_SAVE_SECS and rounds < cap)
     for who in variants:
       dest = f'{paths[who]}.{rounds - 1}'
       if more:
@@ -392,20 +402,42 @@ def _save_restore_worker(spec: dict) -> dict:
     if len(each[who]) > 1:
       outs[who]['save_secs_each'] = each[who]
   if dd:
-    outs[variants[0]]['dd_after_secs'] = _dd_secs(os.path.join(root, 'dd.bin'), spec['bytes'])
+    for who in variants:
+      outs[who]['dd_secs'] = sorted(dd_each)[len(dd_each) // 2]
+      outs[who]['dd_secs_each'] = dd_each
   _delete(jax, state)
   del state
   want = make()
   for who in variants:
-    out = outs[who]
     workloads.warm_page_cache(paths[who])  # kd_ckpt's save dropped its pages, Orbax's kept them
-    start = time.perf_counter()
-    back = jax.block_until_ready(restore(who, paths[who], target, budgets[who]))
-    out['restore_secs'] = time.perf_counter() - start
-    out['restored_ok'] = all(bool(jnp.array_equal(back[k], want[k])) for k in shapes)
-    if not out['restored_ok']:
-      out['error'] = 'restored values differ from the saved ones'
-    del back
+  # Scale rows restore in rounds too, each in a rotated order, at least one
+  # round per variant so that each takes every place once: on this VM the
+  # restore after Orbax's (3.7 GiB freed beyond a 4 GiB state) or the
+  # process's first pays for fresh pages (one 4 GiB checkpoint of kd_ckpt's
+  # restored in 9.4 s first, 5.6 s after Orbax's and 2.2-2.6 s otherwise).
+  restore_each = {who: [] for who in variants}
+  rounds = 0
+  while True:
+    k = rounds % len(variants)
+    for who in variants[k:] + variants[:k]:
+      out = outs[who]
+      start = time.perf_counter()
+      back = jax.block_until_ready(restore(who, paths[who], target, budgets[who]))
+      restore_each[who].append(time.perf_counter() - start)
+      ok = all(bool(jnp.array_equal(back[key], want[key])) for key in shapes)
+      out['restored_ok'] = out.get('restored_ok', True) and ok
+      if not ok:
+        out['error'] = 'restored values differ from the saved ones'
+      _delete(jax, back)
+      del back
+    rounds += 1
+    if spec['part'] != 'scale' or (rounds >= len(variants) and (
+        max(map(sum, restore_each.values())) >= LEAF_SAVE_SECS or rounds >= MAX_SCALE_SAVES)):
+      break
+  for who in variants:
+    outs[who]['restore_secs'] = statistics.median(restore_each[who])
+    if len(restore_each[who]) > 1:
+      outs[who]['restore_secs_each'] = restore_each[who]
   return outs if spec.get('variants') else outs[variants[0]]
 
 
@@ -509,56 +541,81 @@ def _each_note(each) -> str:
   return ''
 
 
+SCALE_VARIANTS = ('kd_ckpt streaming', 'kd_ckpt auto', ORBAX)
+
+
 def _scale_part(args, root: str) -> tuple[list[str], list[dict]]:
   budget = args.budget
   rows, results = [], []
-  per_gb = []
-  others_per_gb: dict[str, list[float]] = {}  # the same figure for dd and Orbax
+  # s/GB per size, for the flatness line: each variant's, dd's and Orbax's.
+  per_gb: dict[str, list[float]] = {}
+  kds = [v for v in SCALE_VARIANTS if v != ORBAX]
   for size in args.scale_sizes.split(','):
     nbytes = measure.parse_bytes(size) // 4096 * 4096
-    spec = dict(part='scale', bytes=nbytes, budget=budget)
-    kd = _run(dict(spec, variant='kd_ckpt streaming'), root)
-    ob = _run(dict(spec, variant=ORBAX), root)
-    results.append({'bytes': nbytes, 'kd_ckpt': kd, 'orbax': ob})
+    # The variants of a size share one process, their saves taking turns
+    # after a dd of the same bytes each round (`_save_restore_worker`).
+    got = _run(dict(part='scale', bytes=nbytes, budget=budget, variant='all',
+                    variants=list(SCALE_VARIANTS)), root)
+    by = {}
+    for variant in SCALE_VARIANTS:
+      r = got.get(variant, got)  # the worker's failure, for each of them
+      if r is not got and ('error' in r or r.get('restored_ok') is False):
+        _FAILED.append(f'scale {size} {variant}: {r.get("error", "restore differs")}')
+      by[variant] = r
+    results.append({'bytes': nbytes, **by})
     print(f'scale {size}: {json.dumps(results[-1])}', flush=True)
-    save = kd.get('save_secs')
-    dd = ((kd['dd_before_secs'] + kd['dd_after_secs']) / 2
-          if 'dd_after_secs' in kd else None)
-    s_per_gb = save / (nbytes / GB) if save else None
-    if s_per_gb:
-      per_gb.append(s_per_gb)
-    for who, secs in (('dd', dd), (ORBAX, ob.get('save_secs'))):
+    ob = by[ORBAX]
+    dd = next((r['dd_secs'] for r in by.values() if 'dd_secs' in r), None)
+    for who, secs in [(v, by[v].get('save_secs')) for v in SCALE_VARIANTS] + [('dd', dd)]:
       if secs:
-        others_per_gb.setdefault(who, []).append(secs / (nbytes / GB))
+        per_gb.setdefault(who, []).append(secs / (nbytes / GB))
+    dd_each = next((r['dd_secs_each'] for r in by.values() if 'dd_secs_each' in r), ())
     notes = '; '.join(
-        f'{w}: {n}' for w, r in (('kd_ckpt', kd), ('Orbax', ob))
-        for n in (_each_note(r.get('save_secs_each', ())), r.get('error')) if n)
+        f'{w}: {n}' for w, r in [(v.replace('kd_ckpt ', ''), by[v]) for v in SCALE_VARIANTS]
+        + [('dd', {'save_secs_each': dd_each})]
+        for n in (_each_note(r.get('save_secs_each', ())), r.get('error')) if n
+    ).replace('dd: ' + _each_note(dd_each), 'dd: ' + _each_note(dd_each).replace('saves', 'runs'))
+
+    def cells(key, *, vs_dd=False):
+      out = []
+      for v in kds:
+        t = by[v].get(key)
+        out.append(f'{_f(t)} ({_ratio(dd, t) if vs_dd else _ratio(t, ob.get(key))})')
+      return ' | '.join(out)
+
     rows.append(
-        f'| {measure.fmt_bytes(nbytes)} | {_f(save)} | {_f(s_per_gb)} | {_f(dd)}'
-        f' ({_f(kd.get("dd_before_secs"))}, {_f(kd.get("dd_after_secs"))}) |'
-        f' {_ratio(save, dd)} | {_f(ob.get("save_secs"))} |'
-        f' {_ratio(save, ob.get("save_secs"))} | {_f(kd.get("restore_secs"))} |'
-        f' {_f(ob.get("restore_secs"))} |'
-        f' {_ratio(kd.get("restore_secs"), ob.get("restore_secs"))} | {notes or ""} |')
-  flat = max(per_gb) / min(per_gb) if len(per_gb) > 1 else None
+        f'| {measure.fmt_bytes(nbytes)} | {_f(dd)} | {_f(ob.get("save_secs"))} |'
+        f' {cells("save_secs", vs_dd=True)} |'
+        f' {" | ".join(_ratio(by[v].get("save_secs"), ob.get("save_secs")) for v in kds)} |'
+        f' {" | ".join(_f(by[v]["save_secs"] / (nbytes / GB)) if by[v].get("save_secs") else "-" for v in kds)} |'
+        f' {_f(ob.get("restore_secs"))} | {cells("restore_secs")} | {notes} |')
+  flats = []
+  for who, v in per_gb.items():
+    if len(v) > 1:
+      flats.append(f'{who}: {_f(max(v) / min(v))} ({_f(min(v))} .. {_f(max(v))} s/GB)')
+  kd_names = [v.replace('kd_ckpt ', '') for v in kds]
   lines = [
       '### Scaling: one f32 leaf on one device', '',
-      f'kd_ckpt: `kd_ckpt.save(strategy="streaming", host_ram_budget="{budget}")`,'
+      f'kd_ckpt: `kd_ckpt.save(strategy=..., host_ram_budget="{budget}")`,'
       f' then `kd_ckpt.restore` at {budget}; Orbax: `ocp.StandardCheckpointer()`'
       ' save + `wait_until_finished`, then its restore; each restores its own checkpoint,'
-      ' checked bit-exact.  save s: the median of the saves in the row\'s process, one'
-      f' after another until they took {LEAF_SAVE_SECS:g} s (at most {MAX_SCALE_SAVES};'
-      ' the notes give each, or their count and range).  dd: `dd if=/dev/zero bs=16M'
-      ' conv=fsync` of the same bytes just before and just after the kd_ckpt saves (mean;'
-      ' before, after); x dd = kd save / that mean.  GB = 1e9 bytes.', '',
-      '| size | kd save s | kd s/GB | dd s (before, after) | x dd | Orbax save s | x Orbax |'
-      ' kd restore s | Orbax restore s | x Orbax | notes |',
-      '| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |',
+      ' checked bit-exact.  The variants of a size run in one fresh process, their'
+      ' saves taking turns (each round in a rotated order, at least one round per'
+      ' variant), every round after'
+      ' `dd if=/dev/zero bs=16M conv=fsync` of the same bytes.  save s: the median of'
+      f' the rounds, run until one variant\'s saves took {LEAF_SAVE_SECS:g} s (at most'
+      f' {MAX_SCALE_SAVES}; the notes give each, or their count and range); x dd:'
+      ' throughput, dd\'s median time over the save\'s.  restore s: the median of'
+      ' rounds of restores taken the same way.  GB = 1e9 bytes.', '',
+      '| size | dd s | Orbax save s | '
+      + ' | '.join(f'{k} save s (x dd)' for k in kd_names) + ' | '
+      + ' | '.join(f'{k} x Orbax' for k in kd_names) + ' | '
+      + ' | '.join(f'{k} s/GB' for k in kd_names)
+      + ' | Orbax restore s | ' + ' | '.join(f'{k} restore s (x Orbax)' for k in kd_names)
+      + ' | notes |',
+      '| --- ' * (5 + 4 * len(kds)) + '|',
       *rows, '',
-      f'Flatness (kd_ckpt save, max s/GB over min s/GB across sizes): {_f(flat)}'
-      + (f' ({_f(min(per_gb))} .. {_f(max(per_gb))} s/GB)' if flat else '')
-      + ''.join(f'; {who} in the same run: {_f(max(v) / min(v))} ({_f(min(v))} .. {_f(max(v))}'
-                ' s/GB)' for who, v in others_per_gb.items() if len(v) > 1)]
+      'Flatness (max s/GB over min s/GB across sizes): ' + '; '.join(flats)]
   return lines, results
 
 
