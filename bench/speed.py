@@ -38,7 +38,8 @@ Three parts (`--part stall,scale,leaves`, default all):
           own checkpoint (`kd_ckpt.restore` at the budget,
           `ocp.StandardCheckpointer().restore`), checked bit-exact, in
           rounds as well (the median).  At least one round per variant, so
-          each takes every place in the order once.  Flatness: the largest s/GB over the smallest, per variant.
+          each takes every place in the order once.  Flatness: the largest
+          s/GB over the smallest, per variant.
   leaves  Per-leaf overhead: 10 .. 10,000 leaves of 4 KiB (`--leaf-counts`,
           `--leaf-bytes`) on one device, saved by kd_ckpt streaming, kd_ckpt
           auto (both at the budget) and Orbax default, each restored by its
@@ -77,7 +78,6 @@ import json
 import math
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -435,7 +435,7 @@ def _save_restore_worker(spec: dict) -> dict:
         max(map(sum, restore_each.values())) >= LEAF_SAVE_SECS or rounds >= MAX_SCALE_SAVES)):
       break
   for who in variants:
-    outs[who]['restore_secs'] = statistics.median(restore_each[who])
+    outs[who]['restore_secs'] = sorted(restore_each[who])[len(restore_each[who]) // 2]
     if len(restore_each[who]) > 1:
       outs[who]['restore_secs_each'] = restore_each[who]
   return outs if spec.get('variants') else outs[variants[0]]
@@ -532,12 +532,12 @@ def _stall_part(args, root: str) -> tuple[list[str], list[dict]]:
   return lines, results
 
 
-def _each_note(each) -> str:
-  """The saves a median came from: each (up to 5) or their count and range."""
+def _each_note(each, unit: str = 'saves') -> str:
+  """The saves (runs) a median came from: each (up to 5) or their count and range."""
   if 1 < len(each) <= 5:
     return ' / '.join(f'{t:.2f}' for t in each)
   if len(each) > 5:
-    return f'{len(each)} saves, {min(each):.3f}-{max(each):.3f}'
+    return f'{len(each)} {unit}, {min(each):.3f}-{max(each):.3f}'
   return ''
 
 
@@ -571,10 +571,9 @@ def _scale_part(args, root: str) -> tuple[list[str], list[dict]]:
         per_gb.setdefault(who, []).append(secs / (nbytes / GB))
     dd_each = next((r['dd_secs_each'] for r in by.values() if 'dd_secs_each' in r), ())
     notes = '; '.join(
-        f'{w}: {n}' for w, r in [(v.replace('kd_ckpt ', ''), by[v]) for v in SCALE_VARIANTS]
-        + [('dd', {'save_secs_each': dd_each})]
-        for n in (_each_note(r.get('save_secs_each', ())), r.get('error')) if n
-    ).replace('dd: ' + _each_note(dd_each), 'dd: ' + _each_note(dd_each).replace('saves', 'runs'))
+        [f'{w}: {n}' for w, r in [(v.replace('kd_ckpt ', ''), by[v]) for v in SCALE_VARIANTS]
+         for n in (_each_note(r.get('save_secs_each', ())), r.get('error')) if n]
+        + ([f'dd: {_each_note(dd_each, "runs")}'] if _each_note(dd_each) else []))
 
     def cells(key, *, vs_dd=False):
       out = []
