@@ -503,7 +503,8 @@ class _Pipeline:
   A write outside a transaction is an OCDBT commit of its own (a B-tree update
   and fsyncs, 4-15 ms here whatever its size), so 10,000 small leaves would
   cost 10,000 commits.  Slices are staged in a transaction until it holds
-  `group_bytes`; it then commits in the background while the next one fills.
+  `group_bytes`; it then commits in the background (`max_commits` at once)
+  while the next one fills.
   Each slice's charge is released when its transaction has committed,
   except for its host buffer's, which moves to the pipeline's `_BufferPool`
   when nothing else holds the buffer.  When the limiter has no room, the
@@ -512,7 +513,8 @@ class _Pipeline:
   """
 
   def __init__(self, lim: limiter_lib.HostLimiter, *, group_bytes: int,
-               stats: arrays_lib.SaveStats, progress=None, max_commits: int = 1,
+               stats: arrays_lib.SaveStats, progress=None,
+               max_commits: int = cost.COMMITS_IN_FLIGHT,
                rss_ceiling_bytes: int | None = None,
                writeback: writeback_lib.Writeback | None = None,
                largest_slice_bytes: int = 0):
