@@ -1063,13 +1063,16 @@ RANGE_BYTES = 2 << 20
 MAX_READ_LANES = max(1, min(os.cpu_count() or 1, 4))
 # Leaves read side by side from a local disk, each in its own part of the
 # budget (`_fill_in_parts`), at most; a part is at least `MIN_PART_BYTES`
-# (pieces of 6.4 MiB).  The 24-leaf stock checkpoint of
-# `bench/restore_stock.py --leaves 24` (1 GiB), 4 alternating reps in one
-# process (a scratch script): at 128 MiB 0.71-0.83 s in two parts, against
-# 1.25-1.66 s in one (parts of at least 80 MiB).  At 64 MiB no second part
-# fits.
+# (pieces of 1.25 MiB, `cost.restore_piece_bytes`).  The 24-leaf stock
+# checkpoint of `bench/restore_stock.py --leaves 24` (1 GiB), 4 alternating
+# reps in one process (a scratch script): at 128 MiB 0.71-0.83 s in two
+# parts, against 1.25-1.66 s in one (parts of at least 80 MiB).  Parts of
+# at least 32 MiB left one part at 64 MiB and below; at least 8 MiB, two
+# (5 alternating reps, /tmp script, 2026-12-06): at 64 MiB 1.20 s against
+# 1.87 s (1.15-1.26 s with parts of 12-16 MiB), at 48 MiB 1.25 s against
+# 2.01 s.
 MAX_LEAF_PARTS = max(1, min(os.cpu_count() or 1, 8))
-MIN_PART_BYTES = 32 << 20
+MIN_PART_BYTES = 8 << 20
 
 
 def _lanes(src: Source, keys, shape, max_lanes: int, task_bytes: int, *,
