@@ -98,20 +98,32 @@ def streaming_capacity(capacity_bytes: int, leaves_bytes: int) -> int:
 # Slices are sized for groups of two, so that two groups fit the room at
 # the staging cost (`streaming_layout`).
 TARGET_SLICES_PER_GROUP = 2
-# But a group commits once it holds this much (one slice at the largest):
-# with writeback out of the commits (`kd_ckpt.writeback`) a commit no longer
-# costs ~0.1 s whatever its size, and smaller groups committing
-# `COMMITS_IN_FLIGHT` at a time start the disk sooner and leave it less at
-# the end.  Alternating saves in one process at a 256 MiB budget, groups of
-# 64 MiB one commit at a time against 32 MiB two at a time (medians; /tmp
-# script, 2026-12-06): a 512 MiB leaf 592 against 441 ms (11 of 12 pairs
-# faster), 128 MiB 215 against 192 (12 of 16), 1 GiB 966 against 879 (6
-# reps); the Gemma-like state (small shards, cut from slabs) and the 4 GB
-# leaf the same within the noise (2280 against 2329 ms, 6 of 14 pairs
-# faster; 3267 against 3290).
-MAX_GROUP_BYTES = 32 * MiB
-# OCDBT commits a streaming save has in flight while its next group fills.
-COMMITS_IN_FLIGHT = 2
+# A small save commits smaller groups: at least this many, of at least a
+# slice (`save_group_bytes`), so that the disk starts sooner and has less
+# left after the last copy.  Larger saves keep the layout's groups: each
+# commit rewrites the OCDBT B-tree's upper nodes, and a state of many
+# shards paid for more commits.  Alternating saves in one process at a 256
+# MiB budget, groups of 64 MiB against 32 MiB (/tmp script, 2026-12-06;
+# medians).  One commit in flight: a 512 MiB leaf 691 against 504 ms, and
+# 580 against 531 (4 of 8 pairs faster); a 128 MiB leaf 243 against 171,
+# and 209 against 265 (6 of 10 pairs faster; the disk at its noisiest).
+# Two in flight: 592 against 441 (11 of 12) and 215 against 192 (12 of
+# 16); but the Gemma-like state (2.2 GB, 2,752 shards) 2418 against 2520 (7
+# of 20 pairs faster) and 2280 against 2329 (6 of 14), the 4 GB leaf 3267
+# against 3290.
+MIN_GROUPS_PER_SAVE = 16
+
+
+def save_group_bytes(group_bytes: int, slice_bytes: int, save_bytes: int) -> int:
+  """The bytes a streaming save stages per commit: the layout's `group_bytes`,
+  or `save_bytes / MIN_GROUPS_PER_SAVE` where smaller, but never under a slice.
+
+  Example: `save_group_bytes(64 * MiB, 32 * MiB, 512 * MiB)` is 32 MiB; for
+  a 2 GB save it is 64 MiB.
+  """
+  return max(slice_bytes, min(group_bytes, save_bytes // MIN_GROUPS_PER_SAVE))
+
+
 # The streaming pipeline also watches the process RSS: before admitting a
 # slice it drains its own commits while RSS + the slice's charge would pass
 # the RSS before the save + the budget - this headroom (left for the commit
@@ -353,7 +365,7 @@ class StreamingLayout:
     capacity_bytes: what the limiter admits (budget less the floor).
     slice_bytes: the largest slice (and zarr chunk) written.
     group_bytes: staged bytes per OCDBT transaction; one group fills while
-      up to `COMMITS_IN_FLIGHT` earlier ones commit.
+      the previous one commits (smaller for small saves, `save_group_bytes`).
   """
 
   capacity_bytes: int
@@ -372,8 +384,7 @@ class StreamingLayout:
 
 def streaming_layout(budget_bytes: int, num_leaves: int = 0) -> StreamingLayout:
   """Slices sized so two groups of `TARGET_SLICES_PER_GROUP` fit the capacity;
-  groups of no more than that many slices, nor more than `MAX_GROUP_BYTES`
-  (or one slice, if bigger).
+  groups of no more than that many slices.
 
   The leaves' bookkeeping (`leaves_charge`) comes off the capacity first.
   """
@@ -388,8 +399,7 @@ def streaming_layout(budget_bytes: int, num_leaves: int = 0) -> StreamingLayout:
   # commits for the disk to absorb at once: at 1 GiB, groups of 333 MiB
   # saved the Gemma-like state in 5.11 s (median of 8) against 4.53 s at
   # 256 MiB, and 4.65 s with groups of 128 MiB (/tmp A/B, alternating).
-  group = min(group, TARGET_SLICES_PER_GROUP * max(slice_bytes, MIN_SLICE_BYTES),
-              max(slice_bytes, MAX_GROUP_BYTES))
+  group = min(group, TARGET_SLICES_PER_GROUP * max(slice_bytes, MIN_SLICE_BYTES))
   return StreamingLayout(capacity_bytes=max(0, cap), slice_bytes=max(0, slice_bytes),
                          group_bytes=max(0, int(group)), leaves_bytes=leaves)
 

@@ -211,7 +211,12 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
     progress = arrays_lib.Progress(ctx.progress_total_bytes) if ctx.progress_total_bytes else None
     leaves = cost.leaves_charge(len(infos))
     with lim.lease(cost.streaming_capacity(ctx.capacity_bytes, leaves)):
-      pipeline = _Pipeline(lim, group_bytes=max(ctx.slice_bytes, ctx.group_bytes),
+      todo = [prepared[i] for i in write_idx]
+      group_bytes = cost.save_group_bytes(
+          max(ctx.slice_bytes, ctx.group_bytes), ctx.slice_bytes,
+          sum(len(p.rslices.replica_slices) * math.prod(p.local_shape) * p.itemsize
+              for p in todo))
+      pipeline = _Pipeline(lim, group_bytes=group_bytes,
                            stats=ctx.stats, progress=progress,
                            rss_ceiling_bytes=ctx.rss_ceiling_bytes or (
                                hostmem.current_rss_bytes() + ctx.capacity_bytes),
@@ -225,7 +230,6 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
       try:
         if reuse_job is not None:
           await reuse_job(context, reuse.kvstore_of(prepared[0].tspec))
-        todo = [prepared[i] for i in write_idx]
         for start in range(0, len(todo), cost.OPEN_BATCH_LEAVES):
           await self._write_batch(todo[start:start + cost.OPEN_BATCH_LEAVES],
                                   context, pipeline)
@@ -503,8 +507,7 @@ class _Pipeline:
   A write outside a transaction is an OCDBT commit of its own (a B-tree update
   and fsyncs, 4-15 ms here whatever its size), so 10,000 small leaves would
   cost 10,000 commits.  Slices are staged in a transaction until it holds
-  `group_bytes`; it then commits in the background (`max_commits` at once)
-  while the next one fills.
+  `group_bytes`; it then commits in the background while the next one fills.
   Each slice's charge is released when its transaction has committed,
   except for its host buffer's, which moves to the pipeline's `_BufferPool`
   when nothing else holds the buffer.  When the limiter has no room, the
@@ -513,8 +516,7 @@ class _Pipeline:
   """
 
   def __init__(self, lim: limiter_lib.HostLimiter, *, group_bytes: int,
-               stats: arrays_lib.SaveStats, progress=None,
-               max_commits: int = cost.COMMITS_IN_FLIGHT,
+               stats: arrays_lib.SaveStats, progress=None, max_commits: int = 1,
                rss_ceiling_bytes: int | None = None,
                writeback: writeback_lib.Writeback | None = None,
                largest_slice_bytes: int = 0):
