@@ -95,35 +95,16 @@ MAX_STREAMING_ROOM_BYTES = 224 * MiB
 def streaming_capacity(capacity_bytes: int, leaves_bytes: int) -> int:
   """The capacity a streaming save leases: its leaves and `MAX_STREAMING_ROOM_BYTES`."""
   return min(int(capacity_bytes), int(leaves_bytes) + MAX_STREAMING_ROOM_BYTES)
-# Slices are sized for groups of two, so that two groups fit the room at
-# the staging cost (`streaming_layout`).
+# Each OCDBT commit costs ~0.1 s here whatever its size: aim for groups of
+# several slices, one filling while one commits.  Tried and reverted
+# (39f6c5a, d3b16b9, thirty-fourth session): groups of 32 MiB (one slice),
+# with one or two commits in flight, for every save or for saves under 1
+# GiB.  Alternating in one process, 256 MiB budget: the Gemma-like state
+# was 2-6% slower (13 of 34 pairs faster), 128-512 MiB leaves faster in
+# some runs (512 MiB: 592 against 441 ms, 11 of 12 pairs) and not in
+# others (4 of 8; 128 MiB 6 of 10), and `bench/speed.py` then had the 128
+# MiB row at 0.26 s against 0.19-0.20 s.
 TARGET_SLICES_PER_GROUP = 2
-# A small save commits smaller groups: at least this many, of at least a
-# slice (`save_group_bytes`), so that the disk starts sooner and has less
-# left after the last copy.  Larger saves keep the layout's groups: each
-# commit rewrites the OCDBT B-tree's upper nodes, and a state of many
-# shards paid for more commits.  Alternating saves in one process at a 256
-# MiB budget, groups of 64 MiB against 32 MiB (/tmp script, 2026-12-06;
-# medians).  One commit in flight: a 512 MiB leaf 691 against 504 ms, and
-# 580 against 531 (4 of 8 pairs faster); a 128 MiB leaf 243 against 171,
-# and 209 against 265 (6 of 10 pairs faster; the disk at its noisiest).
-# Two in flight: 592 against 441 (11 of 12) and 215 against 192 (12 of
-# 16); but the Gemma-like state (2.2 GB, 2,752 shards) 2418 against 2520 (7
-# of 20 pairs faster) and 2280 against 2329 (6 of 14), the 4 GB leaf 3267
-# against 3290.
-MIN_GROUPS_PER_SAVE = 16
-
-
-def save_group_bytes(group_bytes: int, slice_bytes: int, save_bytes: int) -> int:
-  """The bytes a streaming save stages per commit: the layout's `group_bytes`,
-  or `save_bytes / MIN_GROUPS_PER_SAVE` where smaller, but never under a slice.
-
-  Example: `save_group_bytes(64 * MiB, 32 * MiB, 512 * MiB)` is 32 MiB; for
-  a 2 GB save it is 64 MiB.
-  """
-  return max(slice_bytes, min(group_bytes, save_bytes // MIN_GROUPS_PER_SAVE))
-
-
 # The streaming pipeline also watches the process RSS: before admitting a
 # slice it drains its own commits while RSS + the slice's charge would pass
 # the RSS before the save + the budget - this headroom (left for the commit
@@ -365,7 +346,7 @@ class StreamingLayout:
     capacity_bytes: what the limiter admits (budget less the floor).
     slice_bytes: the largest slice (and zarr chunk) written.
     group_bytes: staged bytes per OCDBT transaction; one group fills while
-      the previous one commits (smaller for small saves, `save_group_bytes`).
+      the previous one commits.
   """
 
   capacity_bytes: int

@@ -211,12 +211,7 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
     progress = arrays_lib.Progress(ctx.progress_total_bytes) if ctx.progress_total_bytes else None
     leaves = cost.leaves_charge(len(infos))
     with lim.lease(cost.streaming_capacity(ctx.capacity_bytes, leaves)):
-      todo = [prepared[i] for i in write_idx]
-      group_bytes = cost.save_group_bytes(
-          max(ctx.slice_bytes, ctx.group_bytes), ctx.slice_bytes,
-          sum(len(p.rslices.replica_slices) * math.prod(p.local_shape) * p.itemsize
-              for p in todo))
-      pipeline = _Pipeline(lim, group_bytes=group_bytes,
+      pipeline = _Pipeline(lim, group_bytes=max(ctx.slice_bytes, ctx.group_bytes),
                            stats=ctx.stats, progress=progress,
                            rss_ceiling_bytes=ctx.rss_ceiling_bytes or (
                                hostmem.current_rss_bytes() + ctx.capacity_bytes),
@@ -230,6 +225,7 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
       try:
         if reuse_job is not None:
           await reuse_job(context, reuse.kvstore_of(prepared[0].tspec))
+        todo = [prepared[i] for i in write_idx]
         for start in range(0, len(todo), cost.OPEN_BATCH_LEAVES):
           await self._write_batch(todo[start:start + cost.OPEN_BATCH_LEAVES],
                                   context, pipeline)

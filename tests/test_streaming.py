@@ -64,23 +64,6 @@ def test_odd_columns_are_stored_once(tmp_path):
   _assert_equal(tree, ocp.StandardCheckpointer().restore(tmp_path / 'c', _abstract(tree)))
 
 
-
-def test_a_small_save_commits_in_several_groups(tmp_path):
-  """A 128 MiB leaf at 256 MiB commits at least four groups (OCDBT writes a
-  data file a commit), so the disk starts before the last slice is copied;
-  with the layout's 64 MiB groups it committed two (`cost.save_group_bytes`)."""
-  from kd_ckpt import cost  # pylint: disable=g-import-not-at-top
-  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  tree = {'w': states.filled((128 * MiB // 4096, 1024), one)}
-  layout = kd_ckpt.plan_save(tree, host_ram_budget=256 * MiB, strategy='streaming').layout
-  assert layout.group_bytes > layout.slice_bytes  # the layout alone would group two slices
-  assert cost.save_group_bytes(layout.group_bytes, layout.slice_bytes, 16 << 30) == (
-      layout.group_bytes)  # a large save keeps the layout's groups
-  kd_ckpt.save(tmp_path / 'c', tree, host_ram_budget=256 * MiB, strategy='streaming')
-  data_files = os.listdir(tmp_path / 'c' / 'd')
-  assert len(data_files) >= tree['w'].nbytes // layout.slice_bytes, data_files
-  _assert_equal(tree, ocp.StandardCheckpointer().restore(tmp_path / 'c', _abstract(tree)))
-
 @pytest.mark.parametrize('shape,chunk,tile_bytes', [
     ((4096, 1024), (512, 1024), 8 * MiB), ((8123, 1031), (8123, 1031), 1 * MiB),
     ((8123, 1031), (8123, 7), 1 * MiB), ((50, 4001, 3), (50, 4001, 3), 64 * 1024),
