@@ -416,6 +416,29 @@ def test_leaves_of_one_shard_are_read_side_by_side_in_parts_of_the_budget(
   assert len(carved) == 3 and sum(n for n, _ in carved) <= carved[0][1], carved
 
 
+@pytest.mark.parametrize('budget', ['48MiB', '64MiB'])
+def test_a_small_budget_still_reads_two_leaves_side_by_side(tmp_path, monkeypatch, budget):
+  """Parts of at least 32 MiB left one part under ~90 MiB budgets: the 24-leaf
+  stock checkpoint of `bench/restore_stock.py` restored at 64 MiB in 1.11x
+  Orbax's time, on one core.  A part needs `reading.MIN_PART_BYTES` (8 MiB):
+  two leaves are decoded at once from 48 MiB, bit-exact."""
+  from kd_ckpt import reading  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(reading, 'MAX_LEAF_PARTS', 2)  # whatever this machine's cores
+  startup.start_compiler()
+  one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  rng = np.random.default_rng(7)
+  values = {f'l{i}': rng.integers(-1000, 1000, (1021, 2053)).astype(np.float32)
+            for i in range(4)}
+  with ocp.StandardCheckpointer() as c:
+    c.save(tmp_path / 'c', {k: jax.device_put(v, one) for k, v in values.items()})
+  counting_fill, most = states.counting_calls(reading.fill_array, pause_secs=0.05)
+  monkeypatch.setattr(reading, 'fill_array', counting_fill)
+  target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=one) for k, v in values.items()}
+  back = kd_ckpt.restore(tmp_path / 'c', target, host_ram_budget=budget)
+  for k, v in values.items():
+    assert np.asarray(back[k]).tobytes() == v.tobytes(), k
+  assert most[0] == 2, most
+
 def test_leaves_a_part_could_not_decode_are_read_with_the_whole_room(tmp_path, monkeypatch):
   """A zstd frame's decoder window does not shrink with the pieces: where a
   part's pieces leave too little for it but the whole budget's do not, the
