@@ -398,12 +398,12 @@ def _save_restore_worker(spec: dict) -> dict:
     if not more:
       break
   for who in variants:
-    outs[who]['save_secs'] = sorted(each[who])[len(each[who]) // 2]
+    outs[who]['save_secs'] = _median(each[who])
     if len(each[who]) > 1:
       outs[who]['save_secs_each'] = each[who]
   if dd:
     for who in variants:
-      outs[who]['dd_secs'] = sorted(dd_each)[len(dd_each) // 2]
+      outs[who]['dd_secs'] = _median(dd_each)
       outs[who]['dd_secs_each'] = dd_each
   _delete(jax, state)
   del state
@@ -435,7 +435,7 @@ def _save_restore_worker(spec: dict) -> dict:
         max(map(sum, restore_each.values())) >= LEAF_SAVE_SECS or rounds >= MAX_SCALE_SAVES)):
       break
   for who in variants:
-    outs[who]['restore_secs'] = sorted(restore_each[who])[len(restore_each[who]) // 2]
+    outs[who]['restore_secs'] = _median(restore_each[who])
     if len(restore_each[who]) > 1:
       outs[who]['restore_secs_each'] = restore_each[who]
   return outs if spec.get('variants') else outs[variants[0]]
@@ -530,6 +530,12 @@ def _stall_part(args, root: str) -> tuple[list[str], list[dict]]:
         f' {r.get("restored_ok", "-")} |'
         f' {notes.replace("|", "/")} |')
   return lines, results
+
+
+def _median(secs) -> float:
+  """The median of the times a row reports; of an even count, the upper of
+  the middle two (a time that was measured, as the results so far give)."""
+  return sorted(secs)[len(secs) // 2]
 
 
 def _each_note(each, unit: str = 'saves') -> str:
