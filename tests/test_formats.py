@@ -439,6 +439,7 @@ def test_a_small_budget_still_reads_two_leaves_side_by_side(tmp_path, monkeypatc
     assert np.asarray(back[k]).tobytes() == v.tobytes(), k
   assert most[0] == 2, most
 
+
 def test_leaves_a_part_could_not_decode_are_read_with_the_whole_room(tmp_path, monkeypatch):
   """A zstd frame's decoder window does not shrink with the pieces: where a
   part's pieces leave too little for it but the whole budget's do not, the
