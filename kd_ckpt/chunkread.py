@@ -112,9 +112,15 @@ def _unsupported(name: str, what: str) -> NotImplementedError:
 
 
 def _dtype(name: Any, array: str) -> np.dtype:
-  if isinstance(name, str) and (name == 'bfloat16' or name.startswith('float8')):
-    if hasattr(ml_dtypes, name):
-      return np.dtype(getattr(ml_dtypes, name))
+  if isinstance(name, str) and isinstance(getattr(ml_dtypes, name, None), type):
+    # bfloat16, float8_*, float4_e2m1fn, int4, int2: TensorStore stores one
+    # byte (two for bfloat16) an element, as numpy holds them.
+    try:
+      dtype = np.dtype(getattr(ml_dtypes, name))
+    except TypeError:
+      dtype = None
+    if dtype is not None and dtype.name == name:
+      return dtype
   try:
     dtype = np.dtype(name) if isinstance(name, str) else None
   except TypeError:

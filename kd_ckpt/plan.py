@@ -41,6 +41,10 @@ import functools
 import json
 from typing import Any, Literal, Mapping, Protocol, Sequence
 
+import jax.numpy as jnp
+import numpy as np
+import tensorstore as ts
+
 from kd_ckpt import budget as budget_lib
 from kd_ckpt import cost
 from kd_ckpt import estimate as estimate_lib
@@ -378,6 +382,20 @@ def _best_orbax(cands: Sequence[Candidate], budget_bytes: int) -> Candidate | No
       not c.orbax.enable_pinned_host_transfer, c.worst_peak_bytes))
 
 
+@functools.lru_cache(maxsize=None)
+def _tensorstore_stores(dtype: str) -> bool:
+  """Whether TensorStore has a data type for numeric `dtype` (not uint4,
+  uint2, float6_*, float8_e4m3 in tensorstore 0.1.x; int4 and float4 it has).
+  Strings and objects are Orbax's metadata, not TensorStore's."""
+  if np.dtype(jnp.dtype(dtype)).kind in 'OSU':
+    return True
+  try:
+    ts.dtype(dtype)
+  except ValueError:
+    return False
+  return True
+
+
 def check_strategy(strategy: str) -> str:
   if strategy not in STRATEGIES:
     raise ValueError(
@@ -485,9 +503,8 @@ def plan_from_estimate(
         ' almost none of it.' if paid_startup_bytes else '')
     if unpaid:
       parts = [f'{text.format_bytes(unpaid[k])} for {what}' for k, what in (
-          ('compiler', 'XLA\'s compiler start-up (this process compiled nothing since'
-           ' kd_ckpt was imported; one that has compiled a training step pays under 1 MiB'
-           ' of it)'),
+          ('compiler', 'XLA\'s compiler start-up (this process holds no compiled program;'
+           ' one that has compiled a training step pays under 1 MiB of it)'),
           ('storage', 'the storage clients (this process\'s first gs:// access)'))
                if k in unpaid]
       note += (f' The budget named includes {" and ".join(parts)}, one-time start-up'
@@ -501,6 +518,15 @@ def plan_from_estimate(
           ' reuse (or fingerprint) spends none.')
     return note
 
+  unstorable = [l for l in est.leaves if not _tensorstore_stores(l.dtype)]
+  if unstorable:
+    # TensorStore (every strategy's writer, and stock Orbax's) has no such
+    # data type: the save would fail once writing, with 'Unsupported data type'.
+    raise ValueError(
+        f'Leaf {unstorable[0].path!r} has dtype {unstorable[0].dtype}, which TensorStore,'
+        ' and so Orbax, cannot store (no zarr data type). Cast it before saving and'
+        ' back after restoring: uint8 holds uint2 and uint4 values, bfloat16 holds'
+        ' float6 and float8_e4m3 values exactly.')
   empty = [l.path for l in est.leaves if l.is_array and 0 in l.shape]
   if empty and strategy == 'orbax':
     # Orbax 0.12 refuses zero-size arrays; the streaming writer stores them

@@ -22,8 +22,8 @@ in the same way.
 
 A save or restore that its budget refuses whatever the start-up costs does
 not pay it to find out: `pending_compiler_bytes()` is what it would cost
-(`cost.COMPILER_STARTUP_BYTES` in a process that has compiled nothing since
-kd_ckpt was imported, else 0), `pending_storage_bytes()` likewise for a
+(`cost.COMPILER_STARTUP_BYTES` in a process that holds no compiled
+program, else 0), `pending_storage_bytes()` likewise for a
 save's bucket, and the refusal names a budget with them.
 
 Example:
@@ -39,9 +39,11 @@ import sys
 import threading
 
 import jax
+import jax.extend.backend  # pylint: disable=unused-import  (`_has_compiled`)
 import jax.numpy as jnp
 import numpy as np
 
+from kd_ckpt import compat
 from kd_ckpt import cost
 from kd_ckpt import hostmem
 from kd_ckpt import text
@@ -105,24 +107,44 @@ def compiler_started() -> bool:
 def pending_compiler_bytes() -> int:
   """What `start_compiler` would cost this process, without running it.
 
-  0 once it ran, or once anything compiled since kd_ckpt was imported (it
-  then costs 0.2-12 MiB, less than any budget's floor); otherwise
+  0 once it ran, or once the process has compiled anything: since kd_ckpt
+  was imported, or before it if the program is still alive on its backend
+  (it then costs 0.2-12 MiB, less than any budget's floor); otherwise
   `cost.COMPILER_STARTUP_BYTES`, the start-up of a process that never
-  compiled (a process that compiled before importing kd_ckpt is counted so
-  too: the estimate only ever names a larger budget).  A save or restore
+  compiled (or whose every program was freed: the estimate then only ever
+  names a larger budget).  A save or restore
   refused at `budget < floor + pending_compiler_bytes()` is refused without
   paying it.
 
     if budget_bytes < floor_bytes + startup.pending_compiler_bytes():
       ...  # refuse, naming floor_bytes + that estimate; nothing was paid
   """
-  return 0 if _started or _compiled else cost.COMPILER_STARTUP_BYTES
+  return 0 if _started or _has_compiled() else cost.COMPILER_STARTUP_BYTES
+
+
+def _has_compiled() -> bool:
+  """Whether this process has compiled: since kd_ckpt's import, or before it.
+
+  The listener sees only compiles after the import.  A training script that
+  jits its step and then imports kd_ckpt (lazily, or from a callback) holds
+  that step's executable on its backend: without this check its 32 MiB
+  restore was refused as if it would pay the whole 56 MiB start-up.
+  """
+  global _compiled
+  # Without started backends nothing compiled (and starting them here could
+  # claim a GPU's memory for a question).
+  if not _compiled and compat.backends_initialized():
+    try:
+      _compiled = bool(jax.extend.backend.get_backend().live_executables())
+    except (AttributeError, RuntimeError):  # a jaxlib without the method; no backend
+      pass
+  return _compiled
 
 
 def unpaid_compiler_note(nbytes: int) -> str:
   """What a refusal says of the compiler start-up it counted but did not pay."""
   return (f' That includes {text.format_bytes(nbytes)} for XLA\'s compiler start-up, which'
-          ' this process has not paid (it compiled nothing since kd_ckpt was imported) and'
+          ' this process has not paid (it holds no compiled program) and'
           ' this refusal did not pay either: a process that has compiled a training step'
           ' pays under 1 MiB of it.')
 

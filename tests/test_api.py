@@ -67,6 +67,21 @@ def test_deleted_array_fails_before_writing(tmp_path):
   assert not (tmp_path / 'c').exists()
 
 
+@pytest.mark.parametrize('strategy', ['auto', 'orbax', 'streaming'])
+@pytest.mark.parametrize('dtype', ['uint4', 'uint2', 'float8_e4m3'])
+def test_a_dtype_tensorstore_cannot_store_fails_before_writing(tmp_path, dtype, strategy):
+  """Stock Orbax fails such a save mid-write with TensorStore's 'Unsupported
+  data type', leaving its tmp directory; kd_ckpt names the leaf and the cast."""
+  import ml_dtypes  # pylint: disable=g-import-not-at-top
+  tree = _tree()
+  tree['q'] = jnp.asarray(np.arange(64).astype(getattr(ml_dtypes, dtype)))
+  with pytest.raises(ValueError, match=f"'q' has dtype {dtype}.*Cast it before saving"):
+    kd_ckpt.save(tmp_path / 'c', tree, strategy=strategy)
+  assert not os.listdir(tmp_path)
+  with pytest.raises(ValueError, match=f"'q' has dtype {dtype}"):
+    kd_ckpt.plan_save(tree, host_ram_budget='256MiB')
+
+
 def test_budget_above_memory_is_clamped():
   plan = kd_ckpt.plan_save(_tree(), host_ram_budget='1000TiB')
   assert plan.budget_bytes <= kd_ckpt.probe_host_memory().total_bytes

@@ -348,6 +348,58 @@ print(json.dumps({"error": error, "peak": peak.extra_bytes, "started": startup._
 
 
 @pytest.mark.slow
+def test_a_process_that_compiled_before_importing_kd_ckpt_is_warm(tmp_path):
+  """A training script that jits its step and only then imports kd_ckpt has
+  paid XLA's start-up (but for 0.2-12 MiB): its restore of a 64 MiB stock
+  leaf at 48 MiB holds the budget, where it was refused as cold (naming 93
+  MiB).  The same
+  restore in a process that compiled nothing is still refused, without
+  paying the start-up."""
+  import json as json_lib, subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  code = """
+import json, sys, jax, jax.numpy as jnp, numpy as np
+want = np.arange(4096 * 4096, dtype=np.float32).reshape(4096, 4096)
+if sys.argv[2] == "save":
+  import orbax.checkpoint as ocp
+  ckptr = ocp.StandardCheckpointer()
+  ckptr.save(sys.argv[1], {"w": jnp.asarray(want), "b": jnp.arange(1000.0)})
+  ckptr.wait_until_finished()
+  sys.exit()
+if sys.argv[2] == "warm":  # the training step, compiled before kd_ckpt is imported
+  jax.block_until_ready(jax.jit(lambda a: a * 2 + 1)(jnp.ones((256, 256))))
+import kd_ckpt
+from kd_ckpt import hostmem
+from tests import states
+states._settle()
+with hostmem.PeakRss() as peak:
+  try:
+    back = jax.block_until_ready(kd_ckpt.restore(sys.argv[1], host_ram_budget=48 << 20))
+    out = {"error": "", "same": bool((np.asarray(back["w"]) == want).all()),
+           "restored": states.resident_bytes(back)}
+  except kd_ckpt.BudgetTooSmallError as e:
+    out = {"error": str(e), "restored": 0}
+out["peak"] = peak.extra_bytes
+print(json.dumps(out))
+"""
+  d = str(tmp_path / 'stock')
+  env = {**os.environ, 'JAX_PLATFORMS': 'cpu', 'XLA_FLAGS': ''}
+  runs = {}
+  for mode in ('save', 'warm', 'cold'):
+    proc = subprocess.run([sys.executable, '-c', code, d, mode], capture_output=True, text=True,
+                          timeout=300, cwd=states.REPO, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if mode != 'save':
+      runs[mode] = json_lib.loads(proc.stdout.strip().splitlines()[-1])
+  warm, cold = runs['warm'], runs['cold']
+  print(f'warm: {(warm["peak"] - warm["restored"]) / MiB:.1f} MiB beyond the arrays;'
+        f' cold: refused at a peak of {cold["peak"] / MiB:.1f} MiB')
+  assert not warm['error'] and warm['same'], warm
+  assert warm['peak'] - warm['restored'] <= 48 * MiB + TOLERANCE, warm
+  assert "56.00 MiB for XLA's compiler start-up" in cold['error'], cold
+  assert cold['peak'] <= 48 * MiB + TOLERANCE, cold
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize('state', ['mesh2d_prime', 'many_medium'])
 def test_a_cold_restore_that_compiles_nothing_pays_no_start_up(tmp_path, state):
   """A fresh process whose restore places every shard whole compiles nothing,

@@ -13,7 +13,8 @@ that Orbax releases have defaulted to or offered over time:
 
 The tree has a 32 MiB leaf stored as one chunk (far bigger than a restore
 piece at the small budgets), a leaf sharded 8 ways with a prime extent, a
-replicated bf16 leaf with prime extents, a 0-d leaf and a numpy leaf.  Each
+replicated bf16 leaf with prime extents, a 0-d leaf, a numpy leaf, an int4
+leaf of one 8 MiB chunk and a float8 leaf sharded 8 ways.  Each
 is restored by `kd_ckpt.restore` at budgets from below the smallest kd_ckpt
 honours to far above it.  Two outcomes only: every leaf bit for bit, with
 the call's peak extra RSS minus the restored arrays within the budget (a
@@ -31,6 +32,7 @@ import re
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -60,6 +62,12 @@ def _tree():
                              NamedSharding(mesh, P())),
       'count': jnp.int32(7),
       'host': np.arange(1000, dtype=np.int64),
+      # Quantized weights: TensorStore stores them a byte an element, as
+      # numpy holds them.  The int4 leaf is one chunk, bigger than a piece.
+      'int4': jax.device_put(rng.integers(-8, 8, (2048, 4099)).astype(ml_dtypes.int4),
+                             jax.devices()[1]),
+      'fp8': jax.device_put(rng.standard_normal((1032, 257)).astype(ml_dtypes.float8_e4m3fn),
+                            NamedSharding(mesh, P('x'))),
   }
 
 
