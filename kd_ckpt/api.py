@@ -23,12 +23,16 @@ from etils import epath
 import orbax.checkpoint as ocp
 
 from kd_ckpt import budget as budget_lib
+from kd_ckpt import cost
 from kd_ckpt import handler as handler_lib
+from kd_ckpt import hostmem
 from kd_ckpt import inspecting
+from kd_ckpt import plan as plan_lib
 from kd_ckpt import report as report_lib
 from kd_ckpt import session as session_lib
 from kd_ckpt import startup
 from kd_ckpt import storage
+from kd_ckpt import text
 from kd_ckpt import verifying
 
 
@@ -149,7 +153,10 @@ def restore(
       (unless `allow_unchecked`).
   """
   # A process's first touch of a bucket (its storage clients) is paid inside
-  # the budget: what it took is not there for the reads.
+  # the budget: what it took is not there for the reads.  A budget too small
+  # for it beside any restore's floor is refused before paying it (a fresh
+  # script's restore at 16 MiB had peaked at ~50 MiB to be refused).
+  _refuse_before_storage_start(directory, host_ram_budget)
   paid = startup.start_storage(directory)
   path = inspecting.checkpoint_dir(directory)
   if verify:
@@ -169,3 +176,26 @@ def restore(
   return h.restore(path, args=handler_lib.SafeRestore(
       item=target, strict=strict, support_layout=support_layout,
       host_ram_budget=host_ram_budget, storage_startup_bytes=paid))
+
+
+def _refuse_before_storage_start(directory, host_ram_budget) -> None:
+  """Raises BudgetTooSmallError where the storage clients' start-up
+  (`startup.pending_storage_bytes`) and a one-leaf restore's floor exceed
+  the budget: the refusal then pays neither."""
+  pending = startup.pending_storage_bytes(directory)
+  if not pending:
+    return
+  spec = budget_lib.parse(host_ram_budget)
+  budget_bytes = budget_lib.resolve(spec, hostmem.probe())
+  need = cost.min_restore_budget_bytes(1) + pending
+  if budget_bytes < need:
+    raise plan_lib.BudgetTooSmallError(
+        f'host_ram_budget={spec.text} ({text.format_bytes(budget_bytes)}) is below the'
+        f' smallest budget a restore from {os.fspath(directory)!r} can honour in this'
+        f' process, {text.format_bytes(need)}: a fixed floor of'
+        f' {text.format_bytes(cost.FLOOR_BYTES)}, a few pieces and'
+        f' {text.format_bytes(pending)} for the storage clients\' start-up (this process\'s'
+        ' first gs:// access: gcsfs, TensorStore\'s HTTP transport), which this refusal'
+        ' did not pay. Raise host_ram_budget to'
+        f' {text.budget_literal(cost.suggested_budget_bytes(need, pending))} or more (a'
+        ' checkpoint of many leaves, or one whose pieces compile, names more then).')

@@ -302,10 +302,11 @@ def drawn(seed: int, total_bytes: int):
   a multiple of their mesh axes, often a prime one; the rest prime, power of
   two or anything.  Values are made on the host and put on the devices:
   nothing is compiled, and the host copies are gone before a measurement.
+  Seeds from `QUANTIZED_FROM_SEED` up draw int4 and float8/float4 leaves too.
   """
   rng = np.random.default_rng(seed)
   tree = {}
-  for name, host, sharding in _drawn_leaves(rng, total_bytes):
+  for name, host, sharding in _drawn_leaves(rng, total_bytes, seed):
     tree[name] = place(host, sharding)
     del host
   if rng.random() < 0.8:
@@ -317,7 +318,7 @@ def drawn(seed: int, total_bytes: int):
 
 def drawn_on_host(seed: int, total_bytes: int):
   """`drawn`'s leaves as (name, host values, sharding), one at a time."""
-  yield from _drawn_leaves(np.random.default_rng(seed), total_bytes)
+  yield from _drawn_leaves(np.random.default_rng(seed), total_bytes, seed)
 
 
 def _drawn_dtype(rng) -> np.dtype:
@@ -326,7 +327,17 @@ def _drawn_dtype(rng) -> np.dtype:
   return np.dtype(ml_dtypes.bfloat16) if name == 'bfloat16' else np.dtype(name)
 
 
-def _drawn_leaves(rng, total_bytes: int):
+# From this seed up, `drawn` also quantizes: each one-byte leaf (int8, uint8)
+# becomes int4, float8_e4m3fn or float4_e2m1fn (stored a byte an element)
+# two times in three, drawn from a generator of its own, so that the states
+# of smaller seeds, which tests name, stay as they were.
+QUANTIZED_FROM_SEED = 1000
+_QUANTIZED_DTYPES = (None, 'int4', 'float8_e4m3fn', 'float4_e2m1fn')
+
+
+def _drawn_leaves(rng, total_bytes: int, seed: int = 0):
+  import ml_dtypes  # pylint: disable=g-import-not-at-top
+  qrng = np.random.default_rng([seed, 4]) if seed >= QUANTIZED_FROM_SEED else None
   n = int(rng.choice([1, int(rng.integers(2, 9)), int(rng.integers(9, 201))]))
   shares = rng.dirichlet(np.full(n, 0.3)) * total_bytes
   primes = [p for p in range(2, 2000) if all(p % q for q in range(2, int(p ** 0.5) + 1))]
@@ -359,6 +370,10 @@ def _drawn_leaves(rng, total_bytes: int):
       host = rng.integers(info.min, info.max, shape, dtype=dt, endpoint=True)
     else:
       host = rng.standard_normal(shape, np.float32).astype(dt)
+    if qrng is not None and dt.itemsize == 1 and dt != np.bool_:
+      quantized = _QUANTIZED_DTYPES[int(qrng.integers(len(_QUANTIZED_DTYPES)))]
+      if quantized:
+        host = (host.astype(np.float32) / 16).astype(getattr(ml_dtypes, quantized))
     yield f'd{i:03d}', host, sharding
 
 

@@ -584,10 +584,10 @@ def test_first_bucket_access_of_a_process_is_paid_inside_the_budget(server, buck
 
 
 @pytest.mark.slow
-def test_a_cold_save_to_a_bucket_refused_anyway_pays_no_start_up(server, bucket):
-  """A fresh script's save to a bucket that its budget refuses even before
-  the storage clients start (~43 MiB) refuses without starting them: at 16
-  MiB it had peaked at 51 MiB to be refused.  The budget it names counts
+def test_a_cold_call_on_a_bucket_refused_anyway_pays_no_start_up(server, bucket):
+  """A fresh script's save or restore to or from a bucket that its budget
+  refuses even before the storage clients start (~43 MiB) refuses without
+  starting them: at 16 MiB a save had peaked at 51 MiB to be refused.  The budget it names counts
   their estimate (`cost.STORAGE_STARTUP_BYTES`) and holds in the next fresh
   process."""
   del server
@@ -595,17 +595,24 @@ def test_a_cold_save_to_a_bucket_refused_anyway_pays_no_start_up(server, bucket)
 import json, sys, jax, jax.numpy as jnp, kd_ckpt
 from kd_ckpt import hostmem
 tree = jax.block_until_ready({"w": jnp.ones((256, 256))})
+out = {"restored": 0}
 with hostmem.PeakRss() as peak:
   try:
-    kd_ckpt.save(sys.argv[1], tree, host_ram_budget=sys.argv[2])
-    error = ""
+    if sys.argv[3] == "save":
+      kd_ckpt.save(sys.argv[1], tree, host_ram_budget=sys.argv[2])
+    else:
+      back = jax.block_until_ready(kd_ckpt.restore(sys.argv[1], host_ram_budget=sys.argv[2]))
+      out["same"] = bool((back["w"] == 1).all())
+      out["restored"] = back["w"].nbytes
+    out["error"] = ""
   except kd_ckpt.BudgetTooSmallError as e:
-    error = str(e)
-print(json.dumps({"error": error, "peak": peak.extra_bytes}))
+    out["error"] = str(e)
+out["peak"] = peak.extra_bytes
+print(json.dumps(out))
 '''
   d = f'{bucket}/cold'
-  run = lambda budget: json.loads(subprocess.run(
-      [sys.executable, '-c', code, d, budget], capture_output=True, text=True, timeout=300,
+  run = lambda budget, op='save': json.loads(subprocess.run(
+      [sys.executable, '-c', code, d, budget, op], capture_output=True, text=True, timeout=300,
       check=True, env={**os.environ, 'PYTHONPATH': str(pathlib.Path(__file__).parents[1])}
   ).stdout.strip().splitlines()[-1])
   r = run('16MiB')
@@ -616,6 +623,17 @@ print(json.dumps({"error": error, "peak": peak.extra_bytes}))
   r = run(f'{named}MiB')
   assert not r['error'] and r['peak'] <= int(named) * MiB + TOLERANCE, r
   _same(kd_ckpt.restore(d), {'w': np.ones((256, 256), np.float32)})
+  # A fresh script's restore from the bucket likewise: refused at 16 MiB
+  # without starting the clients (it had peaked at ~50 MiB to be refused),
+  # then restored at the budget named.
+  r = run('16MiB', 'restore')
+  print(f'cold restore refused at 16 MiB at a peak of {r["peak"] / MiB:.1f} MiB')
+  assert 'storage clients' in r['error'] and 'did not pay' in r['error'], r
+  assert r['peak'] <= 16 * MiB + TOLERANCE, r
+  named = re.search(r"to '(\d+)MiB' or more", r['error']).group(1)
+  r = run(f'{named}MiB', 'restore')
+  assert not r['error'] and r['same'], r
+  assert r['peak'] - r['restored'] <= int(named) * MiB + TOLERANCE, r
 
 
 # --- faults --------------------------------------------------------------------------
