@@ -176,6 +176,11 @@ ORBAX_RAW_ENCODE_FACTOR = 0.02
 # first save against later ones), +15 MiB on each of two (tests/
 # test_multiprocess.py); kept at 24 MiB.
 ORBAX_SLICE_COMPILE_BYTES = 24 * MiB
+# A host copy of a packed dtype (int4, `estimate.packed_on_device`) on the
+# CPU backend: a packed copy and an unpacked buffer on the device, then the
+# host's.  `np.asarray(jnp.array(x, copy=True))` of a 64 MiB int4 array
+# peaked at 160 MiB (a /tmp script, twice).
+PACKED_CPU_COPY_FACTOR = 2.5
 
 
 def limiter_capacity(budget_bytes: int) -> int:
@@ -416,7 +421,8 @@ def predict_orbax_async(
   Orbax copies every array to the host before `save()` returns and keeps the
   copies until the background commit ends.  On the CPU backend the copy is
   zero-copy except for replica-parallel slices (`lax.slice_in_dim` makes new
-  buffers); numpy leaves are deep-copied.  Raw chunks: TensorStore writes
+  buffers) and packed dtypes (`estimate.packed_on_device`: numpy unpacks
+  them); numpy leaves are deep-copied.  Raw chunks: TensorStore writes
   from those copies.
   """
   on_cpu = est.platform == 'cpu'
@@ -427,6 +433,11 @@ def predict_orbax_async(
     w = leaf.host_bytes(use_replica_parallel)
     if not leaf.is_array:
       copies += w  # NumpyHandler deep-copies host values for async saves.
+    elif on_cpu and leaf.packed:
+      # Unpacked into a real copy even on CPU, through a packed copy and an
+      # unpacked buffer on the device (host RAM here): 2.5x its host bytes
+      # (a 64 MiB int4 copy peaked at 160 MiB).
+      copies += int(PACKED_CPU_COPY_FACTOR * w)
     elif not on_cpu or (use_replica_parallel and leaf.replica_parallel_applies):
       copies += w
     if leaf.unit_dim_chunks:

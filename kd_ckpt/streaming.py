@@ -45,6 +45,7 @@ import tensorstore as ts
 from kd_ckpt import arrays as arrays_lib
 from kd_ckpt import compat
 from kd_ckpt import cost
+from kd_ckpt import estimate as estimate_lib
 from kd_ckpt import hostmem
 from kd_ckpt import integrity
 from kd_ckpt import limiter as limiter_lib
@@ -106,7 +107,11 @@ def to_host(data: jax.Array, box: slicing.Box, *, pinned: bool = False,
   transfer hands back a view of the shard, copied here.
   """
   whole = all(s.start == 0 and s.stop == n for s, n in zip(box, data.shape))
-  cpu = next(iter(data.devices())).platform == 'cpu'
+  # A packed dtype (int4) has no view on CPU either: numpy unpacks the whole
+  # buffer, and jax keeps that copy on the array.  Cut on the device as on an
+  # accelerator, so that only the slice is unpacked.
+  cpu = (next(iter(data.devices())).platform == 'cpu'
+         and not estimate_lib.packed_on_device(data.dtype))
   if cpu and (out is not None or not whole):
     view = np.asarray(data)  # zero-copy on CPU; `data` is a per-shard array.
     part = view if whole else view[box]
@@ -352,7 +357,14 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
           charge += nbytes  # the pinned staging copy, on hosts that have it
         # On CPU the slice is copied into a buffer the pipeline reuses; its
         # charge then counts the buffer's capacity, not nbytes.
-        pooled = not zero and cpu and p.arr.dtype == target_dtype and nbytes >= POOL_MIN_BYTES
+        packed = estimate_lib.packed_on_device(p.arr.dtype)
+        if cpu and packed:
+          # On CPU the device is host RAM: the slice cut there (half its
+          # unpacked bytes) and the unpacked buffer numpy's copy is made
+          # from.  An 8-32 MiB int4 slice peaked at 2.0-2.5x its bytes.
+          charge += nbytes + -(-nbytes // 2)
+        pooled = (not zero and cpu and not packed and p.arr.dtype == target_dtype
+                  and nbytes >= POOL_MIN_BYTES)
         buf, charge = await pipeline.admit(charge, buffer_bytes=nbytes if pooled else None)
         # Until the slice is staged its charge is this loop's to give back:
         # a failed copy, cast, checksum or write must not shrink every later

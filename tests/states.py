@@ -218,6 +218,27 @@ def unseen(name: str, total_bytes: int):
         'f32': filled((q // 4 // 1018, 1018), NS(m2, P(None, None)), jnp.float32, 3),
         'mask': jax.device_put(np.arange(q // 8) % 3 == 0, NS(m1, P('x'))),
     }
+  if name == 'quantized':
+    # Quantized weights: int4 (packed two to a byte on the devices, a byte an
+    # element on the host and on disk) on a 2-D mesh with a prime extent and
+    # whole on one device, float8 replicated, float4 sharded.  Made on the
+    # host.
+    import ml_dtypes  # pylint: disable=g-import-not-at-top
+    rng = np.random.default_rng(4)
+    q = total_bytes // 4  # elements (a byte each on the host) in a quarter
+    cols = 2053  # prime
+    host = lambda shape, dt: (rng.standard_normal(shape, np.float32) * 4).astype(dt)
+    # A process that saves has run its step: the compiler's start-up is paid.
+    jax.block_until_ready(jax.jit(lambda x: x + 1)(np.float32(0)))
+    return {
+        'w4': jax.device_put(host((max(8, q // cols // 8 * 8), cols), ml_dtypes.int4),
+                             NS(m2, P('a', None))),
+        'one4': jax.device_put(host((q // 1024, 1024), ml_dtypes.int4),
+                               jax.sharding.SingleDeviceSharding(jax.devices()[3])),
+        'fp8': jax.device_put(host((q // 1031, 1031), ml_dtypes.float8_e4m3fn), NS(m1, P())),
+        'fp4': jax.device_put(host((q // 1024 // 8 * 8, 1024), ml_dtypes.float4_e2m1fn),
+                              NS(m2, P('a', 'b'))),
+    }
   raise KeyError(name)
 
 
@@ -228,7 +249,8 @@ def _prime_below(n: int) -> int:
   return n
 
 
-UNSEEN = ('prime', 'prime_rep', 'mesh2d_prime', 'edge_chunks', 'many_small', 'mixed_dtypes')
+UNSEEN = ('prime', 'prime_rep', 'mesh2d_prime', 'edge_chunks', 'many_small', 'mixed_dtypes',
+          'quantized')
 OTHER = ('wide_mesh2d', 'zeros')
 # Only some restore budget tests' (`interleaved`: from a bucket, where reads
 # of one file coalesce).
