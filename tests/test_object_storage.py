@@ -277,7 +277,9 @@ STATE_BYTES = 192 * MiB
 def test_budget_holds_on_gcs(server, bucket, state):
   """Processes that have touched their bucket before (as a training loop has)."""
   budget = 64 * MiB + (32 * MiB if state == 'many_small' else 0)
-  restore_budget = 48 * MiB + (48 * MiB if state == 'many_small' else 0)
+  # The quantized state's int4 shards are read whole at 160 MiB: filled on
+  # their devices piece by piece they are slow on XLA:CPU (README, "Limits").
+  restore_budget = {'many_small': 96 * MiB, 'quantized': 160 * MiB}.get(state, 48 * MiB)
   d = f'{bucket}/c'
   r = states.run_worker('save', d, state, str(STATE_BYTES), 'streaming', str(budget))
   print(f'gcs save {state}: peak {r["peak_extra_bytes"] / MiB:.1f} MiB of {budget / MiB:.0f}')
