@@ -28,6 +28,7 @@ reusing saves, restores onto custom layouts too; no Kauldron, no
 
   .venv/bin/python tools/fuzz_budget.py --seeds 0-99      # ~5-8 min on 2 cores
   .venv/bin/python tools/fuzz_budget.py --seeds 17 -v     # one seed again, with its state
+  .venv/bin/python tools/fuzz_budget.py --seeds 1000-1099  # seeds >= 1000: int4/float8/float4 too
   .venv/bin/python tools/fuzz_budget.py --gcs --seeds 0-29 # through a GCS server on loopback
   .venv/bin/python tools/fuzz_budget.py --processes 2 --seeds 0-29
 
