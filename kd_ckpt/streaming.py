@@ -358,11 +358,13 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
         # On CPU the slice is copied into a buffer the pipeline reuses; its
         # charge then counts the buffer's capacity, not nbytes.
         packed = estimate_lib.packed_on_device(p.arr.dtype)
-        if cpu and packed:
+        if packed:
           # On CPU the device is host RAM: the slice cut there (half its
           # unpacked bytes) and the unpacked buffer numpy's copy is made
           # from.  An 8-32 MiB int4 slice peaked at 2.0-2.5x its bytes.
-          charge += nbytes + -(-nbytes // 2)
+          # Elsewhere the transfer may land packed before it is unpacked
+          # on the host: half again (not measured on an accelerator).
+          charge += cost.packed_copy_extra_bytes(nbytes, cpu=cpu)
         pooled = (not zero and cpu and not packed and p.arr.dtype == target_dtype
                   and nbytes >= POOL_MIN_BYTES)
         buf, charge = await pipeline.admit(charge, buffer_bytes=nbytes if pooled else None)
