@@ -84,6 +84,10 @@ MAX_SAVE_SLICE_BYTES = 32 * MiB
 # prime extents on a 2-D mesh got 1-column chunks (32191 x 1, against one
 # 64 MiB chunk a shard): 0.86 s against 0.47 s (`mesh2d_prime`; 0.88 against
 # 0.49 `wide_mesh2d`).  Tried and reverted (43b2547, fifteenth session).
+# 16 MiB slices at every budget, tried again (thirty-sixth session,
+# bench/results/ab_save_128mib_budgets.md): the 128 MiB leaf 0.16 s against
+# 0.22 s, but the 4 GB leaf 3.38 s against 2.21 s (a last chunk cut short by a
+# column, which TensorStore fills whole: 2.9 GB of fresh pages a save).
 # What a streaming save keeps in flight, at most, beside its leaves'
 # bookkeeping: the room a 256 MiB budget gives.  More room only let the
 # pipeline fault in more fresh buffers before reusing any (the 4 GB leaf, 3
