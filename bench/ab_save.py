@@ -18,6 +18,9 @@ kd_ckpt's local saves leave as they write, `kd_ckpt.writeback`):
                   own thread, and slabs of a group's eighth only (a buffer
                   of its own for each bigger slice); the bigger-buffer take
                   of c2af8e8 stays
+  cols            chunks as the greedy chooser cuts them (the largest that
+                  fits, columns cut first where that keeps it largest), as
+                  before bands of whole rows (`slicing._row_band`)
   auto            `kd_ckpt.save(strategy='auto')` at the same budget
   kd-orbax        `kd_ckpt.save(strategy='orbax')`: Orbax's writer with the
                   settings auto picks where Orbax's worst case fits
@@ -65,7 +68,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, 'bench'))
 
 import workloads  # pylint: disable=g-import-not-at-top,wrong-import-position
-VARIANTS = ('now', 'prev', 'fsync/commit', 'before', 'all-raw', 'auto', 'kd-orbax', 'orbax',
+VARIANTS = ('now', 'prev', 'fsync/commit', 'before', 'all-raw', 'cols', 'auto', 'kd-orbax', 'orbax',
             'ts-alone')
 TS_ALONE_ROW_BYTES = 2 << 20
 
@@ -93,6 +96,14 @@ def _patch(variant: str, streaming):
     threshold = arrays.ZSTD_ZERO_LEAVES_FROM_BYTES
     arrays.ZSTD_ZERO_LEAVES_FROM_BYTES = float('inf')
     undo.append(lambda: setattr(arrays, 'ZSTD_ZERO_LEAVES_FROM_BYTES', threshold))
+  if variant == 'cols':
+    chunk_shape = streaming.slicing.chunk_shape
+
+    def greedy(*a, rows_first=False, **k):
+      del rows_first
+      return chunk_shape(*a, **k)
+    streaming.slicing.chunk_shape = greedy
+    undo.append(lambda: setattr(streaming.slicing, 'chunk_shape', chunk_shape))
   if variant == 'prev':
     wb_lib = streaming.writeback_lib
 

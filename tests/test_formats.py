@@ -754,8 +754,10 @@ def test_a_shard_filled_in_place_reads_each_of_its_chunks_once(tmp_path, monkeyp
   startup.start_compiler()
   one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   value = np.random.default_rng(3).standard_normal((4099, 2048)).astype(np.float32)
+  # At 52 MiB the writer's chunks are bands of 456 rows (3.7 MB), between
+  # half a piece and a piece of the restore at 48 MiB (4.8 MB).
   kd_ckpt.save(tmp_path / 'c', {'w': jax.device_put(value, one)}, strategy='streaming',
-               host_ram_budget='64MiB')
+               host_ram_budget='52MiB')
   reads, sources = [], []
   real_read, real_fill = reading._read_host, reading._fill_in_place
   monkeypatch.setattr(reading, '_read_host', lambda *a, **k: reads.append(1) or real_read(*a, **k))

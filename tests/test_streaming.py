@@ -25,8 +25,9 @@ GB = 10**9
     ((8, 4096, 4096), 1, 1 * MiB), ((5, 5), 4, 10 * MiB), ((), 4, 1024),
     ((3814, 512), 4, 3 * MiB), ((3814, 512), 2, 1 * MiB), ((7, 1907), 4, 4096),
 ])
-def test_slices_tile_the_shard_in_whole_chunks(shape, itemsize, slice_bytes):
-  chunk = slicing.chunk_shape(shape, itemsize, slice_bytes)
+@pytest.mark.parametrize('rows_first', [False, True])
+def test_slices_tile_the_shard_in_whole_chunks(shape, itemsize, slice_bytes, rows_first):
+  chunk = slicing.chunk_shape(shape, itemsize, slice_bytes, rows_first=rows_first)
   assert all(n % c == 0 for n, c in zip(shape, chunk))  # chunks never straddle shards
   assert all(c >= 1 for c in chunk)
   assert np.prod(chunk, dtype=np.int64) * itemsize <= max(slice_bytes, itemsize)
@@ -43,16 +44,54 @@ def test_slices_tile_the_shard_in_whole_chunks(shape, itemsize, slice_bytes):
     ((509, 1031), (4072, 1031), 2 * MiB), ((2029, 1031), (16232, 1031), 5 * MiB),
     ((1031, 2063), (1031, 2063), 2 * MiB), ((984, 31621), (984, 31621), 5 * MiB),
     ((97,), (97,), 64), ((10,), (10,), 12)])
-def test_chunks_along_a_whole_dim_are_even(shape, global_shape, slice_bytes):
+@pytest.mark.parametrize('rows_first', [False, True])
+def test_chunks_along_a_whole_dim_are_even(shape, global_shape, slice_bytes, rows_first):
   """A dim one shard spans is cut into chunks of even size: the edge chunk,
   stored whole, pads fewer elements than there are chunks.  (The largest
   chunk that fits left 1 of 1031 columns in a second chunk of 1030: the
   leaf stored twice.)"""
-  chunk = slicing.chunk_shape(shape, 4, slice_bytes, global_shape=global_shape)
+  chunk = slicing.chunk_shape(shape, 4, slice_bytes, global_shape=global_shape,
+                              rows_first=rows_first)
   assert np.prod(chunk, dtype=np.int64) * 4 <= slice_bytes
   for n, c, g in zip(shape, chunk, global_shape):
     k = -(-n // c)
     assert k * c - n < k if n == g else n % c == 0, (shape, chunk)
+
+
+def _stored_chunks(path, name: str) -> tuple[int, ...]:
+  import tensorstore as ts  # pylint: disable=g-import-not-at-top
+  kv = ts.KvStore.open({'driver': 'ocdbt', 'base': f'file://{path}/'}).result()
+  return tuple(json.loads(kv.read(f'{name}/.zarray'.encode()).result().value)['chunks'])
+
+
+def test_the_writer_stores_bands_of_whole_rows(tmp_path, monkeypatch):
+  """Each chunk one C-order run of its shard: a slice is one contiguous copy
+  and one contiguous chunk (`slicing._row_band`).  The greedy chooser, which
+  keeps the chunk largest, cut these shards of 1024 x 3001 floats' columns:
+  a 1.07 GB leaf saved in 1.29 s against 1.01 s in rows
+  (bench/results/ab_save_rows.md).  A shard with no divisor near the rows
+  that fit keeps the greedy's chunks (`prime`)."""
+  chosen = {}
+  real = slicing.chunk_shape
+
+  def watched(local_shape, itemsize, slice_bytes, **k):
+    chosen[tuple(local_shape)] = slice_bytes
+    return real(local_shape, itemsize, slice_bytes, **k)
+
+  monkeypatch.setattr(slicing, 'chunk_shape', watched)
+  m1, _ = states.meshes()
+  tree = {'w': states.filled((8 * 1024, 3001), states.NS(m1, states.P('x'))),
+          'prime': states.filled((8 * 1031, 1031), states.NS(m1, states.P('x')))}
+  kd_ckpt.save(tmp_path / 'c', tree, host_ram_budget=48 * MiB, strategy='streaming')
+  slice_bytes = chosen[(1024, 3001)]
+  rows, cols = _stored_chunks(tmp_path / 'c', 'w')
+  assert cols == 3001 and 1024 % rows == 0 and rows < 1024, (rows, cols)
+  assert 2 * rows * cols * 4 >= slice_bytes >= rows * cols * 4, (rows, slice_bytes)
+  greedy = real((1024, 3001), 4, slice_bytes, global_shape=(8 * 1024, 3001))
+  assert greedy[1] < 3001, greedy  # what the writer stored before
+  assert _stored_chunks(tmp_path / 'c', 'prime') == real(
+      (1031, 1031), 4, chosen[(1031, 1031)], global_shape=(8 * 1031, 1031))
+  _assert_equal(tree, ocp.StandardCheckpointer().restore(tmp_path / 'c', _abstract(tree)))
 
 
 def test_odd_columns_are_stored_once(tmp_path):
