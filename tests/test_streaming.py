@@ -58,10 +58,15 @@ def test_chunks_along_a_whole_dim_are_even(shape, global_shape, slice_bytes, row
     assert k * c - n < k if n == g else n % c == 0, (shape, chunk)
 
 
-def _stored_chunks(path, name: str) -> tuple[int, ...]:
+def _stored_zarray(path, name: str) -> dict:
+  """The zarr spec a checkpoint stored for leaf `name` (in its OCDBT database)."""
   import tensorstore as ts  # pylint: disable=g-import-not-at-top
   kv = ts.KvStore.open({'driver': 'ocdbt', 'base': f'file://{path}/'}).result()
-  return tuple(json.loads(kv.read(f'{name}/.zarray'.encode()).result().value)['chunks'])
+  return json.loads(kv.read(f'{name}/.zarray'.encode()).result().value)
+
+
+def _stored_chunks(path, name: str) -> tuple[int, ...]:
+  return tuple(_stored_zarray(path, name)['chunks'])
 
 
 def test_the_writer_stores_bands_of_whole_rows(tmp_path, monkeypatch):
@@ -248,11 +253,7 @@ def test_format_guard_orbax_chunking_matches_ours(tmp_path):
     c.wait_until_finished()
   import tensorstore as ts
 
-  def stored_spec(d):
-    kv = ts.KvStore.open({'driver': 'ocdbt', 'base': f'file://{d}/'}).result()
-    return json.loads(kv.read(b'w/.zarray').result().value)
-
-  ours, stock = stored_spec(tmp_path / 'c'), stored_spec(tmp_path / 'stock')
+  ours, stock = _stored_zarray(tmp_path / 'c', 'w'), _stored_zarray(tmp_path / 'stock', 'w')
   # Everything Orbax writes into the array's spec, but the chunk grid (and
   # the compressor: kd_ckpt's chunks are raw), is Orbax's own.
   for k in set(ours) | set(stock):
