@@ -21,6 +21,8 @@ kd_ckpt's local saves leave as they write, `kd_ckpt.writeback`):
   cols            chunks as the greedy chooser cuts them (the largest that
                   fits, columns cut first where that keeps it largest), as
                   before bands of whole rows (`slicing._row_band`)
+  budget-slices   slices sized by the budget alone, as before slices of at
+                  most an eighth of the state (`cost.STATE_SLICES`)
   auto            `kd_ckpt.save(strategy='auto')` at the same budget
   kd-orbax        `kd_ckpt.save(strategy='orbax')`: Orbax's writer with the
                   settings auto picks where Orbax's worst case fits
@@ -68,8 +70,8 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, 'bench'))
 
 import workloads  # pylint: disable=g-import-not-at-top,wrong-import-position
-VARIANTS = ('now', 'prev', 'fsync/commit', 'before', 'all-raw', 'cols', 'auto', 'kd-orbax', 'orbax',
-            'ts-alone')
+VARIANTS = ('now', 'prev', 'fsync/commit', 'before', 'all-raw', 'cols', 'budget-slices', 'auto',
+            'kd-orbax', 'orbax', 'ts-alone')
 TS_ALONE_ROW_BYTES = 2 << 20
 
 
@@ -104,6 +106,14 @@ def _patch(variant: str, streaming):
       return chunk_shape(*a, **k)
     streaming.slicing.chunk_shape = greedy
     undo.append(lambda: setattr(streaming.slicing, 'chunk_shape', chunk_shape))
+  if variant == 'budget-slices':
+    layout = streaming.cost.streaming_layout
+
+    def by_budget(budget_bytes, num_leaves=0, data_bytes=None):
+      del data_bytes
+      return layout(budget_bytes, num_leaves)
+    streaming.cost.streaming_layout = by_budget
+    undo.append(lambda: setattr(streaming.cost, 'streaming_layout', layout))
   if variant == 'prev':
     wb_lib = streaming.writeback_lib
 

@@ -77,6 +77,8 @@ class SaveContext:
   Attributes:
     capacity_bytes: what the host limiter admits during this save.
     slice_bytes: streaming slice (and zarr chunk) size.
+    budget_slice_bytes: the slice the budget allows where the state made
+      `slice_bytes` smaller (`cost.StreamingLayout`); 0: `slice_bytes`.
     group_bytes: staged bytes per OCDBT transaction (streaming).
     checksums: the CRC32C collector of this save (None: no checksums).
     stats: counters the report reads.
@@ -102,6 +104,7 @@ class SaveContext:
   limiter: limiter_lib.HostLimiter = dataclasses.field(
       default_factory=limiter_lib.process_limiter)
   rss_ceiling_bytes: int | None = None
+  budget_slice_bytes: int = 0
 
   @classmethod
   def for_budget(cls, budget_bytes: int, num_leaves: int = 0, **kwargs) -> 'SaveContext':

@@ -84,6 +84,9 @@ MAX_SAVE_SLICE_BYTES = 32 * MiB
 # prime extents on a 2-D mesh got 1-column chunks (32191 x 1, against one
 # 64 MiB chunk a shard): 0.86 s against 0.47 s (`mesh2d_prime`; 0.88 against
 # 0.49 `wide_mesh2d`).  Tried and reverted (43b2547, fifteenth session).
+# What stayed (thirty-seventh session): a state smaller than the room gets
+# slices of an eighth of it (`STATE_SLICES`), and a shard whose chunks would
+# then be tiny keeps the budget's (`StreamingLayout.budget_slice_bytes`).
 # 16 MiB slices at every budget, tried again (thirty-sixth session,
 # bench/results/ab_save_128mib_budgets.md): the 128 MiB leaf 0.16 s against
 # 0.22 s, but the 4 GB leaf 3.38 s against 2.21 s (a last chunk cut short by a
@@ -109,6 +112,15 @@ def streaming_capacity(capacity_bytes: int, leaves_bytes: int) -> int:
 # others (4 of 8; 128 MiB 6 of 10), and `bench/speed.py` then had the 128
 # MiB row at 0.26 s against 0.19-0.20 s.
 TARGET_SLICES_PER_GROUP = 2
+# Slices of at most 1/8 of the state: the two groups of two slices in flight
+# then hold at most half of it, and the rest reuses their buffers.  A state
+# no bigger than the pipeline's room otherwise has every slice in a fresh
+# buffer, whose pages the copy faults in: a 128 MiB leaf (8 shards) saved in
+# 0.22 s at 256 MiB against 0.15 s at 128 MiB (208 against 57 MiB of pages
+# faulted a save, bench/results/ab_save_128mib_budgets.md).  With this, a
+# budget above the state's needs gives the same layout as one that just
+# meets them.
+STATE_SLICES = 4 * TARGET_SLICES_PER_GROUP
 # The streaming pipeline also watches the process RSS: before admitting a
 # slice it drains its own commits while RSS + the slice's charge would pass
 # the RSS before the save + the budget - this headroom (left for the commit
@@ -372,6 +384,10 @@ class StreamingLayout:
   group_bytes: int
 
   leaves_bytes: int = 0
+  # The slice the budget allows, where the state made `slice_bytes` smaller
+  # (`slicing.chunk_shape`'s `up_to_bytes`: a shard that would otherwise
+  # fall to tiny chunks).  0: `slice_bytes`.
+  budget_slice_bytes: int = 0
 
   @property
   def feasible(self) -> bool:
@@ -381,11 +397,19 @@ class StreamingLayout:
             <= self.capacity_bytes - self.leaves_bytes)
 
 
-def streaming_layout(budget_bytes: int, num_leaves: int = 0) -> StreamingLayout:
+def streaming_layout(budget_bytes: int, num_leaves: int = 0,
+                     data_bytes: int | None = None) -> StreamingLayout:
   """Slices sized so two groups of `TARGET_SLICES_PER_GROUP` fit the capacity;
   groups of no more than that many slices.
 
   The leaves' bookkeeping (`leaves_charge`) comes off the capacity first.
+  `data_bytes` (what the save writes): slices of at most
+  1/`STATE_SLICES` of it, so that the buffers the pipeline holds at once
+  are at most half the state (`STATE_SLICES`).  The capacity is the
+  budget's either way.
+
+    cost.streaming_layout(256 << 20, 1, data_bytes=128 << 20).slice_bytes
+    # 16 MiB: the same layout as any budget from 128 MiB up
   """
   cap = limiter_capacity(budget_bytes)
   leaves = leaves_charge(num_leaves)
@@ -398,9 +422,15 @@ def streaming_layout(budget_bytes: int, num_leaves: int = 0) -> StreamingLayout:
   # commits for the disk to absorb at once: at 1 GiB, groups of 333 MiB
   # saved the Gemma-like state in 5.11 s (median of 8) against 4.53 s at
   # 256 MiB, and 4.65 s with groups of 128 MiB (/tmp A/B, alternating).
+  budget_slice = slice_bytes
+  if data_bytes is not None:
+    small = max(MIN_SLICE_BYTES, int(data_bytes) // STATE_SLICES // MiB * MiB)
+    if small < slice_bytes:
+      slice_bytes = small
   group = min(group, TARGET_SLICES_PER_GROUP * max(slice_bytes, MIN_SLICE_BYTES))
   return StreamingLayout(capacity_bytes=max(0, cap), slice_bytes=max(0, slice_bytes),
-                         group_bytes=max(0, int(group)), leaves_bytes=leaves)
+                         group_bytes=max(0, int(group)), leaves_bytes=leaves,
+                         budget_slice_bytes=max(0, budget_slice))
 
 
 def predict_streaming(est: estimate_lib.TreeEstimate, layout: StreamingLayout) -> int:

@@ -384,7 +384,8 @@ def context_for(plan: plan_lib.SavePlan, **kwargs) -> arrays_lib.SaveContext:
   layout = plan.layout or cost.streaming_layout(plan.budget_bytes, plan.num_leaves)
   return arrays_lib.SaveContext(
       capacity_bytes=max(1, layout.capacity_bytes), slice_bytes=max(1, layout.slice_bytes),
-      group_bytes=max(1, layout.group_bytes), **kwargs)
+      group_bytes=max(1, layout.group_bytes), budget_slice_bytes=layout.budget_slice_bytes,
+      **kwargs)
 
 
 @ocp.args.register_with_handler(SafePyTreeHandler, for_save=True)

@@ -176,7 +176,8 @@ class Streaming:
   name: str = 'streaming'
 
   def predict(self, est, budget_bytes) -> Candidate:
-    layout = cost.streaming_layout(budget_bytes, est.num_leaves)
+    layout = cost.streaming_layout(budget_bytes, est.num_leaves,
+                                   data_bytes=est.total_bytes(True))
     peak = cost.predict_streaming(est, layout)
     return Candidate(
         name=self.name, strategy='streaming', predicted_peak_bytes=peak,

@@ -709,7 +709,7 @@ def fill_array(src: Source, shape, dtype, sharding, *, strict: bool, name: str,
       # 0.30 s through pieces copied in.
       direct = src.stored is not None and src.dtype == dtype and not placer.whole_piece
       if math.prod(shard_shape):
-        grid = slicing.chunk_shape(shard_shape, itemsize, piece)
+        grid = slicing.read_grid(shard_shape, itemsize, piece)
         for box in slicing.boxes(shard_shape, grid, itemsize, piece):
           inside = _inside(slicing.offset(slicing.from_pairs(key), box, shape), src.shape)
           if inside is None:
@@ -1330,7 +1330,7 @@ def _read_host(src: Source, glob: slicing.Box, inside: slicing.Box | None, dtype
   itemsize = max(src.dtype.itemsize, np.dtype(dtype).itemsize)
   if _split_read(src, inside, dtype, shared):
     extent = tuple(s.stop - s.start for s in inside)
-    grid = slicing.chunk_shape(extent, itemsize, src.ctx.piece_bytes)
+    grid = slicing.read_grid(extent, itemsize, src.ctx.piece_bytes)
     boxes = [slicing.offset(inside, box, src.shape)
              for box in slicing.boxes(extent, grid, itemsize, src.ctx.piece_bytes)]
   if src.stored is None and src.dtype == dtype:
@@ -1523,8 +1523,9 @@ class _HostShard:
 
   def _stage(self) -> None:
     if self.host is None:
-      self.staging = math.prod(self.shape) * self.dtype.itemsize
-      self.lim.acquire(self.staging)
+      nbytes = math.prod(self.shape) * self.dtype.itemsize
+      self.lim.acquire(nbytes)
+      self.staging = nbytes  # held only once acquired: a failed wait releases nothing
       self.host = hostmem.zeros_aligned(self.shape, self.dtype)
 
   def staged(self, box: slicing.Box) -> np.ndarray:
@@ -2362,7 +2363,7 @@ async def read_numpy(handler, infos, args, ctx: ReadContext) -> list[np.ndarray]
       with Source(info.name, t, kv, ctx) as src:
         result = np.empty(src.shape, dtype)  # the restored value itself
         itemsize = max(dtype.itemsize, src.dtype.itemsize)
-        grid = slicing.chunk_shape(src.shape, itemsize, ctx.piece_bytes)
+        grid = slicing.read_grid(src.shape, itemsize, ctx.piece_bytes)
         for box in slicing.boxes(src.shape, grid, itemsize, ctx.piece_bytes):
           for sub, data in src.pieces(box):
             result[sub] = data

@@ -37,6 +37,7 @@ WHOLE_SHARD_SLICES = 2
 def chunk_shape(
     local_shape: Sequence[int], itemsize: int, slice_bytes: int, *,
     global_shape: Sequence[int] | None = None, rows_first: bool = False,
+    up_to_bytes: int = 0,
 ) -> tuple[int, ...]:
   """A zarr chunk shape that tiles `local_shape` in pieces of <= slice_bytes.
 
@@ -55,7 +56,21 @@ def chunk_shape(
   `rows_first` (the streaming writer): bands of whole trailing dims first
   (`_row_band`), where such a band of at least half a slice tiles the
   shard; the greedy chooser otherwise.
+
+  `up_to_bytes` (a save whose slices the state made smaller than its budget
+  allows, `cost.streaming_layout`): where the chunks of `slice_bytes` would
+  be under half of it (no divisor near it on a shared axis: a shard of
+  32191 x 521 floats in 16 MiB gets 1-column chunks), those of up to
+  `up_to_bytes`, as the budget alone would give.
   """
+  if up_to_bytes > slice_bytes:
+    chunk = chunk_shape(local_shape, itemsize, slice_bytes, global_shape=global_shape,
+                        rows_first=rows_first)
+    if 2 * math.prod(chunk) * itemsize >= slice_bytes or chunk == tuple(
+        max(1, int(d)) for d in local_shape):
+      return chunk
+    return chunk_shape(local_shape, itemsize, up_to_bytes, global_shape=global_shape,
+                       rows_first=rows_first)
   shape = tuple(int(d) for d in local_shape)
   whole = tuple(int(g) == n for g, n in zip(global_shape or (), shape)) or (False,) * len(shape)
   if not shape:
@@ -105,6 +120,25 @@ def chunk_shape(
       divisor = _next_smaller_divisor(n, chunk[a] + 1)
       chunk[a] = divisor if 4 * divisor >= 3 * even else even
   return tuple(chunk)
+
+
+def read_grid(extent: Sequence[int], itemsize: int, piece_bytes: int) -> tuple[int, ...]:
+  """Boxes of at most `piece_bytes` that tile `extent`, for a reader filling one buffer.
+
+  `chunk_shape`'s grid, unless that made the extent one chunk bigger than a
+  piece (`WHOLE_SHARD_SLICES`: a writer charges such a shard whole, but a
+  read of it is held beside the buffer it lands in: a (1031, 1031) f32
+  shard in pieces of 2.2 MiB, staged on the host, needed 5.4 pieces where
+  the capacity holds 5, and the restore waited forever).  One reader may
+  cut anywhere: every dim is then cut evenly, as a dim one shard spans
+  whole is.
+
+    slicing.read_grid((1031, 1031), 4, 2_350_080)   # (516, 1031)
+  """
+  grid = chunk_shape(extent, itemsize, piece_bytes)
+  if math.prod(grid) * itemsize <= piece_bytes:
+    return grid
+  return chunk_shape(extent, itemsize, piece_bytes, global_shape=extent)
 
 
 def _row_band(shape: tuple[int, ...], whole: Sequence[bool], itemsize: int,

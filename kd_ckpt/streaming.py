@@ -271,7 +271,8 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
     itemsize = np.dtype(arr.dtype).itemsize
     local_shape = tuple(rslices.local_shape)
     chunk = slicing.chunk_shape(local_shape, itemsize, self.save_context.slice_bytes,
-                                global_shape=arr.shape, rows_first=True)
+                                global_shape=arr.shape, rows_first=True,
+                                up_to_bytes=self.save_context.budget_slice_bytes)
     spec = compat.orbax.build_array_write_spec(
         info=info, arg=arg, global_shape=arr.shape, local_shape=local_shape,
         dtype=arr.dtype, use_ocdbt=info.is_ocdbt_checkpoint,

@@ -8,6 +8,7 @@ minus RSS just before it) <= budget + 8 MiB of measurement tolerance.
 Restores: the peak beyond the restored arrays, likewise.
 """
 
+import math
 import os
 import re
 
@@ -759,6 +760,33 @@ def test_async_report_covers_memory_the_background_commit_allocates(tmp_path, mo
   assert report.async_commit
   assert report.peak_extra_bytes >= 120 * MiB, str(report)
   ckpt.close()
+
+
+@pytest.mark.parametrize('leaf_shape,devices', [((32768, 1024), 1), ((4099, 1031), 1),
+                                                ((2 * 8191, 1024), 2)])
+def test_a_budget_beyond_a_small_states_needs_changes_only_its_headroom(leaf_shape, devices):
+  """Slices of at most an eighth of the state (`cost.STATE_SLICES`): every
+  budget from the one the state fills up plans the same slices and groups
+  (a larger one was slower: its buffers were all fresh pages), and the
+  limiter's capacity is still the budget's."""
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]), ('d',))
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec('d'))
+  tree = {'w': jax.ShapeDtypeStruct(leaf_shape, jnp.float32, sharding=sharding)}
+  state_bytes = math.prod(leaf_shape) * 4
+  plans = {b: kd_ckpt.plan_save(tree, host_ram_budget=b, strategy='streaming')
+           for b in ('128MiB', '256MiB', '1GiB', '4GiB')}
+  layouts = {(p.layout.slice_bytes, p.layout.group_bytes) for p in plans.values()}
+  assert len(layouts) == 1, layouts
+  [(slice_bytes, group_bytes)] = layouts
+  assert slice_bytes <= state_bytes / cost.STATE_SLICES < slice_bytes + MiB
+  assert group_bytes == cost.TARGET_SLICES_PER_GROUP * slice_bytes
+  for p in plans.values():
+    assert p.layout.capacity_bytes == cost.limiter_capacity(p.budget_bytes)
+    assert p.predicted_peak_bytes <= p.budget_bytes
+  # A state bigger than the room keeps the budget's slices.
+  big = {'w': jax.ShapeDtypeStruct((1 << 28,), jnp.float32)}
+  assert kd_ckpt.plan_save(big, host_ram_budget='256MiB', strategy='streaming').layout == (
+      cost.streaming_layout(256 * MiB, 1))
 
 
 @pytest.mark.parametrize('num_leaves', [0, 1, 400, 2000, 10_000])

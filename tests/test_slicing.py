@@ -81,6 +81,20 @@ def test_a_shard_prime_on_both_axes_is_one_chunk_when_it_fits_two_slices():
   assert slicing.chunk_shape((1280, 4729), 4, 13 << 20) == (640, 4729)
 
 
+def test_slices_cut_for_a_small_state_keep_the_budgets_chunks_where_theirs_are_tiny():
+  """A state smaller than the pipeline's room is cut in slices of an eighth
+  of it (`cost.STATE_SLICES`); where a shard's chunks at that slice would be
+  under half of it, the budget's slice decides instead (`up_to_bytes`)."""
+  # Prime on both shared axes: 1-column chunks at 16 MiB, one chunk at 38.
+  assert slicing.chunk_shape((32191, 521), 4, 16 << 20, up_to_bytes=38 << 20) == (32191, 521)
+  # Chunks of at least half the small slice are kept: rows of 8 MiB, not
+  # the whole 16 MiB shard the bigger slice would take.
+  assert slicing.chunk_shape((4096, 1024), 4, 8 << 20, global_shape=(4096, 1024),
+                             rows_first=True, up_to_bytes=32 << 20) == (2048, 1024)
+  # Neither bigger nor better than the budget alone gives.
+  assert slicing.chunk_shape((32191, 521), 4, 16 << 20, up_to_bytes=16 << 20) == (32191, 1)
+
+
 @pytest.mark.parametrize('shape,tile', [((10, 4), (4, 4)), ((4099, 7), (1000, 3)),
                                         ((8, 8), (4, 8)), ((5,), (5,)), ((13, 9, 2), (4, 9, 1))])
 def test_tiles_cover_the_shard_once_when_partial_and_overlap_only_at_the_end_otherwise(

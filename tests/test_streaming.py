@@ -893,6 +893,26 @@ def test_slices_of_mixed_sizes_never_free_a_pooled_buffer_for_another(tmp_path, 
     assert np.array_equal(np.asarray(got[k]), np.asarray(tree[k])), k
 
 
+def test_a_shard_of_up_to_two_pieces_is_read_in_pieces_beside_its_staging(tmp_path, monkeypatch):
+  """A replicated (1031, 1031) f32 shard stored in chunks of (516, 1031) is
+  assembled on the host at 48 MiB (pieces of 2.2 MiB: the shard is 1.8 of
+  them).  Its reads were one box of the whole shard (the writer's chooser
+  makes a shard of up to two slices one chunk), held beside the staging
+  buffer: 5.4 pieces where the capacity holds 5, and the restore waited for
+  bytes no one would release (`slicing.read_grid`).  A wait this long fails
+  the test instead of hanging it."""
+  from kd_ckpt import limiter  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(limiter, 'STALL_SECS', 20.0)
+  m1, _ = states.meshes()
+  tree = {'replicated': states.filled((1031, 1031), states.NS(m1, states.P()), seed=2),
+          # 32 MiB more, so that the save's slices are 4 MiB (`cost.STATE_SLICES`).
+          'filler': states.filled((8192, 1024), states.NS(m1, states.P('x')), seed=1)}
+  kd_ckpt.save(tmp_path / 'c', tree, strategy='streaming', host_ram_budget=64 * MiB)
+  assert _stored_chunks(tmp_path / 'c', 'replicated') == (516, 1031)
+  back = kd_ckpt.restore(tmp_path / 'c', _abstract(tree), host_ram_budget=48 * MiB)
+  _assert_equal(tree, back)
+
+
 def test_tensorstore_reads_land_in_their_host_buffers(tmp_path, monkeypatch):
   """On devices that keep their host shards (the CPU default), a chunk
   TensorStore decodes is read straight into the aligned host buffer that
