@@ -3,11 +3,12 @@
 A budget is a limit on shapes nobody tuned for.  This restores each state
 (prime extents, 8-way and 2-D meshes, replicated and partly replicated,
 column-sharded, bf16), written by stock Orbax and by kd_ckpt's streaming
-writer, on the CPU path (devices keep their host shards) and the copying
-path (GPU's, `KD_CKPT_SHARE_HOST_BUFFERS=0`), at every budget.  Each restore
-must come back bit-exact or be refused with `BudgetTooSmallError`, never wait
-on itself (`STALL_SECS` is cut to --stall-secs), and once a budget works
-every larger one must.  It found the reader-lane deadlock fixed in abb139a.
+writer at several budgets (each cuts its own chunk grid), on the CPU path
+(devices keep their host shards) and the copying path (GPU's,
+`KD_CKPT_SHARE_HOST_BUFFERS=0`), at every budget.  Each restore must come
+back bit-exact or be refused with `BudgetTooSmallError`, never wait on
+itself (`STALL_SECS` is cut to --stall-secs), and once a budget works every
+larger one must.  It found the reader-lane deadlock fixed in abb139a.
 About 2 min on 2 cores:
 
   .venv/bin/python tools/sweep_restores.py            # or: make sweep-restores
@@ -50,6 +51,8 @@ def _states(jax, np):
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument('--budgets', default=DEFAULT_BUDGETS, help='comma list, MiB')
+  ap.add_argument('--save-budgets', default='40,64,96',
+                  help="comma list, MiB: the streaming writer's budgets (its chunk grids)")
   ap.add_argument('--stall-secs', type=float, default=10.0,
                   help='a restore that waits this long without progress fails')
   ap.add_argument('--dir', default=None, help='where checkpoints go (default: a temp dir)')
@@ -71,13 +74,17 @@ def main(argv=None) -> int:
     for name, value, sharding in _states(jax, np):
       tree = {'w': jax.device_put(value, sharding)}
       target = jax.eval_shape(lambda t=tree: t)
-      for writer in ('stock', 'streaming'):
+      writers = ['stock'] + [f'streaming@{b}' for b in args.save_budgets.split(',') if b]
+      for writer in writers:
         d = os.path.join(root, f'{name}_{writer}')
         if writer == 'stock':
           with ocp.StandardCheckpointer() as c:
             c.save(d, tree)
         else:
-          kd_ckpt.save(d, tree, strategy='streaming', host_ram_budget='96MiB')
+          # Each budget cuts other chunks: a (1031, 1031) shard saved at 64
+          # MiB, in (516, 1031) chunks, hung a restore at 48 MiB (6823ef4).
+          kd_ckpt.save(d, tree, strategy='streaming',
+                       host_ram_budget=f'{writer.partition("@")[2]}MiB')
         for shared in (True, False):
           reading.SHARE_HOST_BUFFERS = shared
           worked = False
@@ -95,7 +102,7 @@ def main(argv=None) -> int:
             worked = worked or result == 'ok'
             counts[result.split(':')[0]] = counts.get(result.split(':')[0], 0) + 1
             path = 'shared' if shared else 'copying'
-            line = (f'{name:24s} {writer:9s} {path:7s} {b:4d} MiB'
+            line = (f'{name:24s} {writer:13s} {path:7s} {b:4d} MiB'
                     f' {time.monotonic() - start:6.2f} s  {result}')
             print(line, flush=True)
             if result not in ('ok', 'refused'):
