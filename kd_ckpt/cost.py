@@ -84,13 +84,13 @@ MAX_SAVE_SLICE_BYTES = 32 * MiB
 # prime extents on a 2-D mesh got 1-column chunks (32191 x 1, against one
 # 64 MiB chunk a shard): 0.86 s against 0.47 s (`mesh2d_prime`; 0.88 against
 # 0.49 `wide_mesh2d`).  Tried and reverted (43b2547, fifteenth session).
-# What stayed (thirty-seventh session): a state smaller than the room gets
-# slices of an eighth of it (`STATE_SLICES`), and a shard whose chunks would
-# then be tiny keeps the budget's (`StreamingLayout.budget_slice_bytes`).
 # 16 MiB slices at every budget, tried again (thirty-sixth session,
 # bench/results/ab_save_128mib_budgets.md): the 128 MiB leaf 0.16 s against
 # 0.22 s, but the 4 GB leaf 3.38 s against 2.21 s (a last chunk cut short by a
 # column, which TensorStore fills whole: 2.9 GB of fresh pages a save).
+# What stayed (thirty-seventh session): a state smaller than the room gets
+# slices of an eighth of it (`STATE_SLICES`), and a shard whose chunks would
+# then be tiny keeps the budget's (`StreamingLayout.budget_slice_bytes`).
 # What a streaming save keeps in flight, at most, beside its leaves'
 # bookkeeping: the room a 256 MiB budget gives.  More room only let the
 # pipeline fault in more fresh buffers before reusing any (the 4 GB leaf, 3
@@ -119,7 +119,9 @@ TARGET_SLICES_PER_GROUP = 2
 # 0.22 s at 256 MiB against 0.15 s at 128 MiB (208 against 57 MiB of pages
 # faulted a save, bench/results/ab_save_128mib_budgets.md).  With this, a
 # budget above the state's needs gives the same layout as one that just
-# meets them.
+# meets them; at 256 MiB a 128 MiB leaf saved in 0.20 s against 0.32 s with
+# the budget's slices, a 200 MiB leaf 0.31 s against 0.51 s (alternating,
+# bench/results/ab_save_state_slices.md).
 STATE_SLICES = 4 * TARGET_SLICES_PER_GROUP
 # The streaming pipeline also watches the process RSS: before admitting a
 # slice it drains its own commits while RSS + the slice's charge would pass
