@@ -23,6 +23,12 @@ kd_ckpt's local saves leave as they write, `kd_ckpt.writeback`):
                   before bands of whole rows (`slicing._row_band`)
   budget-slices   slices sized by the budget alone, as before slices of at
                   most an eighth of the state (`cost.STATE_SLICES`)
+  late-start      writeback started every 64 MiB, a commit retired only when
+                  the next one starts, the replaced manifests not held open:
+                  the writer before writeback started after each small
+                  group (`writeback._ManifestHolder`, `_Pipeline.maybe_flush`)
+  no-eager        late-start's retire only; no-hold its manifests only;
+  start-64mib     its writeback start every 64 MiB only
   auto            `kd_ckpt.save(strategy='auto')` at the same budget
   kd-orbax        `kd_ckpt.save(strategy='orbax')`: Orbax's writer with the
                   settings auto picks where Orbax's worst case fits
@@ -70,7 +76,8 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, 'bench'))
 
 import workloads  # pylint: disable=g-import-not-at-top,wrong-import-position
-VARIANTS = ('now', 'prev', 'fsync/commit', 'before', 'all-raw', 'cols', 'budget-slices', 'auto',
+VARIANTS = ('now', 'prev', 'fsync/commit', 'before', 'all-raw', 'cols', 'budget-slices',
+            'late-start', 'no-eager', 'no-hold', 'start-64mib', 'auto',
             'kd-orbax', 'orbax', 'ts-alone')
 TS_ALONE_ROW_BYTES = 2 << 20
 
@@ -91,7 +98,7 @@ def _patch(variant: str, streaming):
   undo = []
   if variant in ('fsync/commit', 'before'):
     old = streaming.writeback_lib
-    streaming.writeback_lib = types.SimpleNamespace(Writeback=lambda root: None)
+    streaming.writeback_lib = types.SimpleNamespace(Writeback=lambda root, **k: None)
     undo.append(lambda: setattr(streaming, 'writeback_lib', old))
   if variant == 'all-raw':  # every leaf raw, created in the batch open
     arrays = streaming.arrays_lib
@@ -114,6 +121,27 @@ def _patch(variant: str, streaming):
       return layout(budget_bytes, num_leaves)
     streaming.cost.streaming_layout = by_budget
     undo.append(lambda: setattr(streaming.cost, 'streaming_layout', layout))
+  wb_lib, pipeline = streaming.writeback_lib, streaming._Pipeline  # pylint: disable=protected-access
+  if variant in ('late-start', 'no-eager'):
+    maybe_flush = pipeline.maybe_flush
+
+    async def retire_at_next_commit(self):
+      if self.staged_bytes >= self.group_bytes:
+        await self.flush()
+    pipeline.maybe_flush = retire_at_next_commit
+    undo.append(lambda: setattr(pipeline, 'maybe_flush', maybe_flush))
+  if variant in ('late-start', 'no-hold'):
+    holder = wb_lib._ManifestHolder.start  # pylint: disable=protected-access
+    wb_lib._ManifestHolder.start = classmethod(lambda cls, root: None)  # pylint: disable=protected-access
+    undo.append(lambda: setattr(wb_lib._ManifestHolder, 'start', holder))  # pylint: disable=protected-access
+  if variant in ('late-start', 'start-64mib'):
+    init = wb_lib.Writeback.__init__
+
+    def every_64mib(self, root, **k):
+      k['start_every_bytes'] = wb_lib.START_EVERY_BYTES
+      init(self, root, **k)
+    wb_lib.Writeback.__init__ = every_64mib
+    undo.append(lambda: setattr(wb_lib.Writeback, '__init__', init))
   if variant == 'prev':
     wb_lib = streaming.writeback_lib
 

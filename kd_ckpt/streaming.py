@@ -208,7 +208,11 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
     remote = storage.is_remote(infos[0].parent_dir)
     # One writer, on a local disk: one fsync pass at the end instead of
     # TensorStore's fsyncs per commit (`writeback`).
-    wb = (writeback_lib.Writeback(str(infos[0].parent_dir))
+    group_bytes = max(ctx.slice_bytes, ctx.group_bytes)
+    # Writeback starts after every group's commit in a save of small groups
+    # (a small state's: `cost.STATE_SLICES`), so the disk starts early.
+    wb = (writeback_lib.Writeback(str(infos[0].parent_dir), start_every_bytes=min(
+        writeback_lib.START_EVERY_BYTES, group_bytes))
           if jax.process_count() == 1 and not remote else None)
     context = (write_context(remote=remote, sync=wb is None)
                if jax.process_count() == 1 else infos[0].ts_context)
@@ -216,7 +220,7 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
     progress = arrays_lib.Progress(ctx.progress_total_bytes) if ctx.progress_total_bytes else None
     leaves = cost.leaves_charge(len(infos))
     with lim.lease(cost.streaming_capacity(ctx.capacity_bytes, leaves)):
-      pipeline = _Pipeline(lim, group_bytes=max(ctx.slice_bytes, ctx.group_bytes),
+      pipeline = _Pipeline(lim, group_bytes=group_bytes,
                            stats=ctx.stats, progress=progress,
                            rss_ceiling_bytes=ctx.rss_ceiling_bytes or (
                                hostmem.current_rss_bytes() + ctx.capacity_bytes),
@@ -715,6 +719,11 @@ class _Pipeline:
     return fut
 
   async def maybe_flush(self) -> None:
+    # A commit already done is retired now, not when the next group commits:
+    # its buffers go back to the pool and its writeback starts (the disk
+    # otherwise idled through a small save's first two groups).
+    while self.commits and self.commits[0][0].done():
+      await self._retire()
     if self.staged_bytes >= self.group_bytes:
       await self.flush()
 

@@ -48,6 +48,19 @@ own, with the slabs of `streaming` (`bench/ab_save.py --variants now,prev,auto,o
 2.22 s against 2.32 s (median of 5), one 4 GB leaf 3.19 s against 3.90 s
 (median of 3).  Two commits in flight instead of one gained nothing on top.
 
+Every OCDBT commit writes a new manifest and renames it over the old one.
+On ext4 mounted with `discard` (as cloud images often mount their disks,
+and this project's machines) the old manifest's inode is freed inside that
+rename, with a synchronous discard of its block, queued behind the writeback
+just started: the commit waited 20-45 ms for the disk, once or twice a save
+(kernel stacks sampled from /proc/self/task/*/stack: `do_renameat2` ->
+`evict` -> `ext4_free_blocks` -> `blkdev_issue_discard` -> `submit_bio_wait`).
+So `Writeback` holds each new manifest open from the moment it is renamed
+in (inotify, `_ManifestHolder`): the rename that replaces it then only
+unlinks it, and its inode is freed when the writeback thread closes it,
+after the writes started before are done, or at the end.  (Holding it open
+before each commit would miss some: a group's commit may rename two.)
+
 Example:
 
   wb = writeback.Writeback('/ckpt/step_10.orbax-checkpoint-tmp/default')
@@ -66,6 +79,8 @@ import ctypes
 import ctypes.util
 import os
 import queue
+import select
+import struct
 import threading
 
 from kd_ckpt import storage
@@ -80,16 +95,26 @@ START_EVERY_BYTES = 64 << 20
 DEPTH = 2
 # KD_CKPT_DROP_PAGE_CACHE=0 keeps a save's pages in the page cache.
 DROP_PAGE_CACHE = os.environ.get('KD_CKPT_DROP_PAGE_CACHE', '1') != '0'
+# The file an OCDBT commit replaces (written beside it, then renamed over it),
+# in the directory `Writeback` watches (one process: the root database,
+# `streaming.ocdbt_subdir`).
+REPLACED_NAME = 'manifest.ocdbt'
 # How often `PageDropper` looks at the files of a save Orbax writes.
 DROP_EVERY_SECS = 0.05
 
 
+def _libc() -> ctypes.CDLL | None:
+  try:
+    return ctypes.CDLL(ctypes.util.find_library('c') or 'libc.so.6', use_errno=True)
+  except OSError:
+    return None
+
+
 def _libc_sync_file_range():
   try:
-    libc = ctypes.CDLL(ctypes.util.find_library('c') or 'libc.so.6', use_errno=True)
-    fn = libc.sync_file_range
-  except (OSError, AttributeError):
-    return None  # not Linux: per-file fsync at the end only
+    fn = _libc().sync_file_range
+  except AttributeError:
+    return None  # not Linux (or no libc): per-file fsync at the end only
   fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
   fn.restype = ctypes.c_int
   return fn
@@ -115,11 +140,13 @@ class Writeback:
   raised by the next `committed` or by `finish`.
   """
 
-  def __init__(self, root: str, *, depth: int = DEPTH):
+  def __init__(self, root: str, *, depth: int = DEPTH,
+               start_every_bytes: int = START_EVERY_BYTES):
     if storage.is_remote(root):
       raise ValueError(f'Writeback is for local directories, not {root!r}:'
                        ' a bucket makes its writes durable itself.')
     self.root = root
+    self.start_every_bytes = start_every_bytes
     self._started: dict[str, int] = {}  # path -> bytes whose writeback was started
     self._last: list[str] = []          # files started at the previous call
     self._pending_bytes = 0
@@ -128,19 +155,25 @@ class Writeback:
     self._queue: queue.SimpleQueue = queue.SimpleQueue()
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
+    # Holds each new manifest open (`_ManifestHolder`) from the first start
+    # of writeback (before it no write is queued for a discard to wait
+    # behind); stays None where inotify is not to be had (not Linux, a
+    # sandbox), which costs only the waits.
+    self._holder: _ManifestHolder | None = None
 
   def committed(self, nbytes: int) -> None:
-    """After a commit of nbytes: starts writeback every `START_EVERY_BYTES`.
+    """After a commit of nbytes: starts writeback every `start_every_bytes`.
 
     Returns at once unless `DEPTH` starts are still queued.
     """
     self._raise()
     self._pending_bytes += nbytes
-    if self._pending_bytes < START_EVERY_BYTES or _sync_file_range is None:
+    if self._pending_bytes < self.start_every_bytes or _sync_file_range is None:
       return
     self._pending_bytes = 0
     self._room.acquire()  # released by the thread, error or not
     if self._thread is None:
+      self._holder = _ManifestHolder.start(self.root)
       self._thread = threading.Thread(target=self._run, daemon=True,
                                       name='kd_ckpt-writeback')
       self._thread.start()
@@ -161,11 +194,25 @@ class Writeback:
       raise self._error
 
   def close(self) -> None:
-    """Waits for the thread's queued starts and stops it (idempotent)."""
+    """Waits for the thread's queued starts and stops it (idempotent).
+
+    Closes the manifests held open too (`_ManifestHolder`).
+    """
+    self._stop_thread()
+    self._release_replaced(everything=True)
+
+  def _stop_thread(self) -> None:
     if self._thread is not None:
       self._queue.put(False)
       self._thread.join()
       self._thread = None
+
+  def _release_replaced(self, *, everything: bool = False) -> None:
+    if self._holder is not None:
+      self._holder.release(everything=everything)
+      if everything:
+        self._holder.stop()
+        self._holder = None
 
   def started(self) -> None:
     """Waits for the previous call's writes; starts writing what is new."""
@@ -175,6 +222,8 @@ class Writeback:
       # Written: its pages are clean and may go (`DROP_PAGE_CACHE`).
       _range(path, _WAIT_BEFORE | _WRITE | _WAIT_AFTER, drop=DROP_PAGE_CACHE)
     self._last = []
+    # The writes started last time are done: free the manifests replaced since.
+    self._release_replaced()
     files, _ = _walk(self.root)
     for path in files:
       try:
@@ -186,23 +235,115 @@ class Writeback:
         self._last.append(path)
 
   def finish(self) -> None:
-    """fsyncs every file, then every directory (deepest first), under root."""
-    self.close()
-    self._raise()
-    files, dirs = _walk(self.root)
-    drop = set(files) if DROP_PAGE_CACHE else set()
-    for path in files + sorted(dirs, key=len, reverse=True):
+    """fsyncs every file, then every directory (deepest first), under root.
+
+    Then frees the manifests held open, with nothing queued before them.
+    """
+    self._stop_thread()
+    try:
+      self._raise()
+      files, dirs = _walk(self.root)
+      drop = set(files) if DROP_PAGE_CACHE else set()
+      for path in files + sorted(dirs, key=len, reverse=True):
+        try:
+          fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+          continue  # another writer's lock or temporary file, gone since
+        try:
+          os.fsync(fd)
+          if path in drop:
+            _drop(fd)
+        finally:
+          os.close(fd)
+        self.fsynced += 1
+    finally:
+      self._release_replaced(everything=True)
+
+
+# <sys/inotify.h>
+_IN_MOVED_TO, _IN_CLOEXEC, _IN_NONBLOCK = 0x80, 0o2000000, 0o4000
+_EVENT = struct.Struct('iIII')  # wd, mask, cookie, len; then the name
+
+
+class _ManifestHolder:
+  """Holds every manifest renamed into `root` open until `release` (see the module doc).
+
+  A thread reads the directory's inotify events and opens each new
+  `REPLACED_NAME` at once (`start` opens the one there already); `release`
+  closes those replaced since (their last reference: the caller frees the
+  inode then).  Missing one (renamed over before the thread opened it, or
+  no descriptor left) costs only its wait.
+  """
+
+  def __init__(self, root: str, fd: int):
+    self.root = root
+    self._fd = fd
+    self._stop_r, self._stop_w = os.pipe()
+    self._held: dict[tuple[int, int], int] = {}  # (st_dev, st_ino) -> fd
+    self._lock = threading.Lock()
+    self._thread = threading.Thread(target=self._run, daemon=True, name='kd_ckpt-manifests')
+    self._thread.start()
+
+  @classmethod
+  def start(cls, root: str) -> '_ManifestHolder | None':
+    libc = _libc()
+    if libc is None or not hasattr(libc, 'inotify_init1'):
+      return None
+    libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
+    fd = libc.inotify_init1(_IN_CLOEXEC | _IN_NONBLOCK)
+    if fd < 0:
+      return None
+    if libc.inotify_add_watch(fd, os.fsencode(root), _IN_MOVED_TO) < 0:
+      os.close(fd)
+      return None
+    holder = cls(root, fd)
+    holder._hold(os.path.join(root, REPLACED_NAME))  # the one renamed in before the watch
+    return holder
+
+  def _run(self) -> None:
+    name = os.fsencode(REPLACED_NAME)
+    while True:
+      ready, _, _ = select.select([self._fd, self._stop_r], [], [])
+      if self._stop_r in ready:
+        return
       try:
-        fd = os.open(path, os.O_RDONLY)
-      except FileNotFoundError:
-        continue  # another writer's lock or temporary file, gone since
-      try:
-        os.fsync(fd)
-        if path in drop:
-          _drop(fd)
-      finally:
-        os.close(fd)
-      self.fsynced += 1
+        data = os.read(self._fd, 64 * 1024)
+      except BlockingIOError:
+        continue
+      pos = 0
+      while pos + _EVENT.size <= len(data):
+        _, _, _, n = _EVENT.unpack_from(data, pos)
+        if data[pos + _EVENT.size:pos + _EVENT.size + n].rstrip(b'\0') == name:
+          self._hold(os.path.join(self.root, REPLACED_NAME))
+        pos += _EVENT.size + n
+
+  def _hold(self, path: str) -> None:
+    try:
+      fd = os.open(path, os.O_RDONLY)
+    except OSError:
+      return  # replaced already, or no descriptor left: not held
+    st = os.fstat(fd)
+    with self._lock:
+      if (st.st_dev, st.st_ino) not in self._held:
+        self._held[(st.st_dev, st.st_ino)] = fd
+        return
+    os.close(fd)
+
+  def release(self, *, everything: bool = False) -> None:
+    """Closes the held manifests a commit has replaced (every one with `everything`)."""
+    with self._lock:
+      done = [k for k, fd in self._held.items() if everything or os.fstat(fd).st_nlink == 0]
+      fds = [self._held.pop(k) for k in done]
+    for fd in fds:
+      os.close(fd)
+
+  def stop(self) -> None:
+    """Stops the thread; closes the inotify descriptor and whatever is held."""
+    os.write(self._stop_w, b'x')
+    self._thread.join()
+    for fd in (self._fd, self._stop_r, self._stop_w):
+      os.close(fd)
+    self.release(everything=True)
 
 
 def _drop(fd: int) -> bool:

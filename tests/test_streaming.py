@@ -2,6 +2,7 @@
 
 import json
 import os
+import threading
 
 import jax
 import numpy as np
@@ -12,6 +13,7 @@ import kd_ckpt
 from kd_ckpt import integrity
 from kd_ckpt import report as report_lib
 from kd_ckpt import slicing
+from kd_ckpt import streaming as streaming_lib
 from tests import states
 
 MiB = 1 << 20
@@ -717,6 +719,61 @@ def test_a_local_save_fsyncs_every_file_once_before_it_is_renamed(tmp_path, monk
     assert rel in done, (rel, sorted(done)[:10])
   assert sum(1 for _, flags in started if flags == writeback._WRITE) >= 2
   assert np.asarray(kd_ckpt.restore(final)['w']).tobytes() == np.asarray(tree['w']).tobytes()
+
+
+def test_a_small_states_writeback_starts_after_its_first_group_and_leaves_nothing_open(
+    tmp_path, monkeypatch):
+  """A 32 MiB state saves in groups of 8 MiB: writeback starts after each
+  group's commit, the first before the third group commits (it waited for
+  64 MiB before: none until the save's last fsync pass), and the manifests
+  held open meanwhile (`writeback._ManifestHolder`) are all closed when the
+  save returns, as after a save that fails."""
+  from kd_ckpt import writeback  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  if writeback._sync_file_range is None:
+    pytest.skip('no sync_file_range here')
+  events = []
+  real_flush, real_committed = streaming_lib._Pipeline.flush, writeback.Writeback.committed
+
+  async def flush(self):
+    if self.txn is not None:
+      events.append('commit')
+    await real_flush(self)
+
+  def committed(self, nbytes):
+    real_committed(self, nbytes)
+    if self._pending_bytes == 0:
+      events.append('start')
+
+  monkeypatch.setattr(streaming_lib._Pipeline, 'flush', flush)
+  monkeypatch.setattr(writeback.Writeback, 'committed', committed)
+
+  def open_files():
+    return sorted(os.readlink(f'/proc/self/fd/{fd}') for fd in os.listdir('/proc/self/fd')
+                  if os.path.exists(f'/proc/self/fd/{fd}'))
+  before, threads = open_files(), {t.name for t in threading.enumerate()}
+  tree = {'w': jnp.arange(8 << 20, dtype=jnp.float32).reshape(2048, 4096)}
+  kd_ckpt.save(tmp_path / 'a', tree, strategy='streaming', host_ram_budget='256MiB')
+  assert events.count('commit') >= 4, events
+  assert events.count('start') >= events.count('commit') - 1, events
+  third_commit = [i for i, e in enumerate(events) if e == 'commit'][2]
+  assert 'start' in events[:third_commit], events
+  assert open_files() == before
+  assert {t.name for t in threading.enumerate()} <= threads
+  assert np.asarray(kd_ckpt.restore(tmp_path / 'a')['w']).tobytes() == np.asarray(tree['w']).tobytes()
+
+  real_to_host, calls = streaming_lib.to_host, []
+
+  def failing(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == 6:
+      raise RuntimeError('device-to-host copy failed')
+    return real_to_host(*args, **kwargs)
+  monkeypatch.setattr(streaming_lib, 'to_host', failing)
+  with pytest.raises(RuntimeError, match='device-to-host'):
+    kd_ckpt.save(tmp_path / 'b', tree, strategy='streaming', host_ram_budget='256MiB')
+  assert open_files() == before
+  assert {t.name for t in threading.enumerate()} <= threads
 
 
 def _resident_bytes(path) -> int:

@@ -2,6 +2,7 @@
 
 import os
 import threading
+import time
 
 import pytest
 
@@ -96,3 +97,90 @@ def test_close_stops_the_thread_and_fsyncs_nothing(tmp_path, monkeypatch):
   assert wb._thread is None
   assert not fsynced
   assert not [t for t in threading.enumerate() if t.name == 'kd_ckpt-writeback']
+
+
+def _commit_manifest(root, text: bytes):
+  """As an OCDBT commit ends: a new manifest written beside the old one, renamed over it."""
+  (root / 'manifest.ocdbt.__lock').write_bytes(text)
+  os.rename(root / 'manifest.ocdbt.__lock', root / 'manifest.ocdbt')
+
+
+def _open_manifests() -> dict[str, int]:
+  """This process's open descriptors of manifests: {'live': n, 'deleted': n}."""
+  seen = {'live': 0, 'deleted': 0}
+  for fd in os.listdir('/proc/self/fd'):
+    try:
+      target = os.readlink(f'/proc/self/fd/{fd}')
+    except OSError:
+      continue
+    if target.endswith('/manifest.ocdbt'):
+      seen['live'] += 1
+    elif target.endswith('/manifest.ocdbt (deleted)'):
+      seen['deleted'] += 1
+  return seen
+
+
+def _until(cond, timeout=10.0) -> bool:
+  deadline = time.monotonic() + timeout
+  while not cond():
+    if time.monotonic() > deadline:
+      return False
+    time.sleep(0.005)
+  return True
+
+
+def test_a_replaced_manifest_is_freed_by_the_writeback_thread_not_by_the_rename(tmp_path,
+                                                                                monkeypatch):
+  """From the first start of writeback, every manifest renamed in is held open:
+  the commit that replaces it only unlinks it (on a filesystem mounted with
+  `discard` freeing it waited for the writes queued before), and the thread
+  frees it once the writes started before it are done; `finish` frees all."""
+  probe = writeback._ManifestHolder.start(str(tmp_path))
+  if writeback._sync_file_range is None or probe is None:
+    pytest.skip('no sync_file_range or inotify here')
+  probe.stop()
+  threads = set(threading.enumerate())
+  passes, real = [], writeback.Writeback.started
+
+  def started(self):
+    real(self)
+    passes.append(1)
+  monkeypatch.setattr(writeback.Writeback, 'started', started)
+  _files(tmp_path)
+  _commit_manifest(tmp_path, b'1')
+  wb = writeback.Writeback(str(tmp_path), start_every_bytes=1)
+  try:
+    wb.committed(1)  # the first start: the manifest there now is held
+    assert _until(lambda: passes == [1] and _open_manifests()['live'] == 1), _open_manifests()
+    _commit_manifest(tmp_path, b'2')
+    assert _until(lambda: _open_manifests() == {'live': 1, 'deleted': 1}), _open_manifests()
+    _commit_manifest(tmp_path, b'3')
+    # Both replaced manifests are still open: no rename freed an inode.
+    assert _until(lambda: _open_manifests() == {'live': 1, 'deleted': 2}), _open_manifests()
+    wb.committed(1)  # the next start frees what was replaced before it
+    assert _until(lambda: passes == [1, 1]), passes
+    assert _open_manifests() == {'live': 1, 'deleted': 0}
+    wb.finish()
+  finally:
+    wb.close()
+  assert _open_manifests() == {'live': 0, 'deleted': 0}
+  assert set(threading.enumerate()) <= threads  # the holder's thread stopped
+  assert (tmp_path / 'manifest.ocdbt').read_bytes() == b'3'
+
+
+def test_writeback_starts_after_each_commit_of_a_small_group(tmp_path, monkeypatch):
+  """`start_every_bytes` below `START_EVERY_BYTES` (a small state's groups):
+  each commit of that many bytes starts writeback; fewer bytes start none."""
+  if writeback._sync_file_range is None:
+    pytest.skip('no sync_file_range here')
+  starts = []
+  monkeypatch.setattr(writeback.Writeback, 'started', lambda self: starts.append(1))
+  wb = writeback.Writeback(str(tmp_path), start_every_bytes=16 << 20)
+  try:
+    wb.committed(8 << 20)
+    assert _until(lambda: True) and not starts
+    wb.committed(8 << 20)
+    wb.committed(16 << 20)
+    assert _until(lambda: len(starts) == 2), starts
+  finally:
+    wb.close()
