@@ -99,6 +99,8 @@ DROP_PAGE_CACHE = os.environ.get('KD_CKPT_DROP_PAGE_CACHE', '1') != '0'
 # in the directory `Writeback` watches (one process: the root database,
 # `streaming.ocdbt_subdir`).
 REPLACED_NAME = 'manifest.ocdbt'
+# Manifests held open at most; beyond, the holder frees the replaced ones itself.
+MAX_HELD_MANIFESTS = 64
 # How often `PageDropper` looks at the files of a save Orbax writes.
 DROP_EVERY_SECS = 0.05
 
@@ -324,10 +326,18 @@ class _ManifestHolder:
       return  # replaced already, or no descriptor left: not held
     st = os.fstat(fd)
     with self._lock:
-      if (st.st_dev, st.st_ino) not in self._held:
+      held = (st.st_dev, st.st_ino) not in self._held
+      if held:
         self._held[(st.st_dev, st.st_ino)] = fd
-        return
-    os.close(fd)
+      full = len(self._held) > MAX_HELD_MANIFESTS
+    if not held:
+      os.close(fd)
+    if full:
+      # Many commits between two starts of writeback (many small leaves,
+      # each batch of them created in commits of their own): the replaced
+      # ones are freed here, in this thread, rather than hold descriptors
+      # the save's own files need.
+      self.release()
 
   def release(self, *, everything: bool = False) -> None:
     """Closes the held manifests a commit has replaced (every one with `everything`)."""

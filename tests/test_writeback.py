@@ -184,3 +184,22 @@ def test_writeback_starts_after_each_commit_of_a_small_group(tmp_path, monkeypat
     assert _until(lambda: len(starts) == 2), starts
   finally:
     wb.close()
+
+
+def test_the_manifests_held_open_are_bounded(tmp_path, monkeypatch):
+  """Many commits between two starts of writeback (e.g. thousands of small
+  leaves) hold at most `MAX_HELD_MANIFESTS` descriptors: the holder frees the
+  replaced ones itself beyond that."""
+  monkeypatch.setattr(writeback, 'MAX_HELD_MANIFESTS', 4)
+  _commit_manifest(tmp_path, b'0')
+  holder = writeback._ManifestHolder.start(str(tmp_path))
+  if holder is None:
+    pytest.skip('no inotify here')
+  try:
+    for i in range(1, 40):
+      _commit_manifest(tmp_path, b'%d' % i)
+      assert _until(lambda: _open_manifests()['live'] == 1), _open_manifests()
+      assert sum(_open_manifests().values()) <= 5, (i, _open_manifests())
+  finally:
+    holder.stop()
+  assert _open_manifests() == {'live': 0, 'deleted': 0}
