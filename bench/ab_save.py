@@ -98,7 +98,8 @@ def _patch(variant: str, streaming):
   undo = []
   if variant in ('fsync/commit', 'before'):
     old = streaming.writeback_lib
-    streaming.writeback_lib = types.SimpleNamespace(Writeback=lambda root, **k: None)
+    streaming.writeback_lib = types.SimpleNamespace(
+        Writeback=lambda root, **k: None, START_EVERY_BYTES=old.START_EVERY_BYTES)
     undo.append(lambda: setattr(streaming, 'writeback_lib', old))
   if variant == 'all-raw':  # every leaf raw, created in the batch open
     arrays = streaming.arrays_lib
@@ -152,7 +153,8 @@ def _patch(variant: str, streaming):
           self._pending_bytes = 0
           self.started()
 
-    streaming.writeback_lib = types.SimpleNamespace(Writeback=InlineWriteback)
+    streaming.writeback_lib = types.SimpleNamespace(
+        Writeback=InlineWriteback, START_EVERY_BYTES=wb_lib.START_EVERY_BYTES)
     undo.append(lambda: setattr(streaming, 'writeback_lib', wb_lib))
     init = streaming._Pipeline.__init__  # pylint: disable=protected-access
 
