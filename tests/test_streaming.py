@@ -620,6 +620,19 @@ def test_streaming_transfers_honour_enable_pinned_host_transfer(tmp_path, pinned
   _assert_equal(tree, ocp.StandardCheckpointer().restore(tmp_path / 'c', _abstract(tree)))
 
 
+def _fail_to_host_at(monkeypatch, nth: int) -> list[int]:
+  """Makes the streaming writer's `nth` device-to-host copy raise; returns the calls seen."""
+  real, calls = streaming_lib.to_host, []
+
+  def flaky(*args, **kwargs):
+    calls.append(1)
+    if len(calls) == nth:
+      raise RuntimeError('device-to-host copy failed')
+    return real(*args, **kwargs)
+  monkeypatch.setattr(streaming_lib, 'to_host', flaky)
+  return calls
+
+
 def test_a_failed_slice_gives_its_charge_back(tmp_path, monkeypatch):
   """A slice that fails before it is staged (device-to-host copy, cast, checksum,
   write) releases what it was admitted for: the next save has the whole limiter."""
@@ -628,15 +641,8 @@ def test_a_failed_slice_gives_its_charge_back(tmp_path, monkeypatch):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from kd_ckpt import startup  # pylint: disable=g-import-not-at-top
   startup.start_compiler()  # as a training process has
-  real, calls = streaming.to_host, []
-
-  def flaky(*args, **kwargs):
-    calls.append(1)
-    if len(calls) == 3:
-      raise RuntimeError('device-to-host copy failed')
-    return real(*args, **kwargs)
-
-  monkeypatch.setattr(streaming, 'to_host', flaky)
+  real = streaming.to_host
+  calls = _fail_to_host_at(monkeypatch, 3)
   tree = {'w': jnp.arange(4 << 20, dtype=jnp.float32).reshape(4096, 1024)}
   with pytest.raises(RuntimeError, match='device-to-host'):
     kd_ckpt.save(tmp_path / 'a', tree, strategy='streaming', host_ram_budget=64 << 20)
@@ -762,14 +768,7 @@ def test_a_small_states_writeback_starts_after_its_first_group_and_leaves_nothin
   assert {t.name for t in threading.enumerate()} <= threads
   assert np.asarray(kd_ckpt.restore(tmp_path / 'a')['w']).tobytes() == np.asarray(tree['w']).tobytes()
 
-  real_to_host, calls = streaming_lib.to_host, []
-
-  def failing(*args, **kwargs):
-    calls.append(1)
-    if len(calls) == 6:
-      raise RuntimeError('device-to-host copy failed')
-    return real_to_host(*args, **kwargs)
-  monkeypatch.setattr(streaming_lib, 'to_host', failing)
+  _fail_to_host_at(monkeypatch, 6)
   with pytest.raises(RuntimeError, match='device-to-host'):
     kd_ckpt.save(tmp_path / 'b', tree, strategy='streaming', host_ram_budget='256MiB')
   assert open_files() == before
