@@ -409,7 +409,8 @@ def _clear_refs() -> bool:
 
 
 @functools.cache
-def _libc():
+def libc() -> ctypes.CDLL | None:
+  """The C library, loaded once; None where there is none to load."""
   name = ctypes.util.find_library('c')
   try:
     return ctypes.CDLL(name or 'libc.so.6')
@@ -451,10 +452,10 @@ def release_free_memory() -> bool:
   glibc keeps freed memory in its arenas, so RSS stays at the save's peak and
   ratchets up across saves; trimming gives it back.  False when not glibc.
   """
-  libc = _libc()
-  if libc is None or not hasattr(libc, 'malloc_trim'):
+  c = libc()
+  if c is None or not hasattr(c, 'malloc_trim'):
     return False
-  return bool(libc.malloc_trim(0))
+  return bool(c.malloc_trim(0))
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt() parameters, glibc's malloc.h.
@@ -532,12 +533,12 @@ def _user_tuned_malloc() -> bool:
 
 
 def _set_mmap_threshold(nbytes: int) -> bool:
-  libc = _libc()
-  if libc is None or not hasattr(libc, 'mallopt'):
+  c = libc()
+  if c is None or not hasattr(c, 'mallopt'):
     return False
   trim = _TRIM_THRESHOLD_BYTES.get(int(nbytes), 2 * int(nbytes))
-  return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(nbytes))
-              and libc.mallopt(_M_TRIM_THRESHOLD, trim))
+  return bool(c.mallopt(_M_MMAP_THRESHOLD, int(nbytes))
+              and c.mallopt(_M_TRIM_THRESHOLD, trim))
 
 
 @contextlib.contextmanager

@@ -76,13 +76,13 @@ Example:
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import queue
 import select
 import struct
 import threading
 
+from kd_ckpt import hostmem
 from kd_ckpt import storage
 
 # <linux/fs.h>
@@ -105,18 +105,10 @@ MAX_HELD_MANIFESTS = 64
 DROP_EVERY_SECS = 0.05
 
 
-def _libc() -> ctypes.CDLL | None:
-  try:
-    return ctypes.CDLL(ctypes.util.find_library('c') or 'libc.so.6', use_errno=True)
-  except OSError:
-    return None
-
-
 def _libc_sync_file_range():
-  try:
-    fn = _libc().sync_file_range
-  except AttributeError:
-    return None  # not Linux (or no libc): per-file fsync at the end only
+  fn = getattr(hostmem.libc(), 'sync_file_range', None)
+  if fn is None:
+    return None  # not Linux: per-file fsync at the end only
   fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
   fn.restype = ctypes.c_int
   return fn
@@ -288,7 +280,7 @@ class _ManifestHolder:
 
   @classmethod
   def start(cls, root: str) -> '_ManifestHolder | None':
-    libc = _libc()
+    libc = hostmem.libc()
     if libc is None or not hasattr(libc, 'inotify_init1'):
       return None
     libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
