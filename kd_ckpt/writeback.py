@@ -202,11 +202,13 @@ class Writeback:
       self._thread = None
 
   def _release_replaced(self, *, everything: bool = False) -> None:
-    if self._holder is not None:
-      self._holder.release(everything=everything)
-      if everything:
-        self._holder.stop()
-        self._holder = None
+    if self._holder is None:
+      return
+    if everything:
+      self._holder.stop()  # and closes every one held
+      self._holder = None
+    else:
+      self._holder.release()
 
   def started(self) -> None:
     """Waits for the previous call's writes; starts writing what is new."""
