@@ -281,6 +281,7 @@ class _ManifestHolder:
     self._lock = threading.Lock()
     self._thread = threading.Thread(target=self._run, daemon=True, name='kd_ckpt-manifests')
     self._thread.start()
+    self._hold(os.path.join(root, REPLACED_NAME))  # the one renamed in before the watch
 
   @classmethod
   def start(cls, root: str) -> '_ManifestHolder | None':
@@ -294,9 +295,7 @@ class _ManifestHolder:
     if libc.inotify_add_watch(fd, os.fsencode(root), _IN_MOVED_TO) < 0:
       os.close(fd)
       return None
-    holder = cls(root, fd)
-    holder._hold(os.path.join(root, REPLACED_NAME))  # the one renamed in before the watch
-    return holder
+    return cls(root, fd)
 
   def _run(self) -> None:
     name = os.fsencode(REPLACED_NAME)
