@@ -267,7 +267,7 @@ class _ManifestHolder:
   """Holds every manifest renamed into `root` open until `release` (see the module doc).
 
   A thread reads the directory's inotify events and opens each new
-  `REPLACED_NAME` at once (`start` opens the one there already); `release`
+  `REPLACED_NAME` at once (and, once, the one there already); `release`
   closes those replaced since (their last reference: the caller frees the
   inode then).  Missing one (renamed over before the thread opened it, or
   no descriptor left) costs only its wait.
