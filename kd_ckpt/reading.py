@@ -177,7 +177,43 @@ def _zeros(shape, dtype, sharding):
   return jax.jit(functools.partial(jax.numpy.zeros, shape, dtype), out_shardings=sharding)
 
 
+def _narrow_float(dtype) -> bool:
+  """Whether `dtype` is a float of 8 bits or fewer (`float8_*`, `float4_e2m1fn`).
+
+  XLA:CPU has no arithmetic of their own and runs an update of such a
+  buffer through a wider float, over the whole buffer (`_as_bits`).
+  """
+  dtype = np.dtype(dtype)
+  return bool(jax.numpy.issubdtype(dtype, jax.numpy.floating)
+              and jax.numpy.finfo(dtype).bits <= 8)
+
+
+def _as_bits(update):
+  """`update(buf, piece, ...)` moving a narrow float's bits as unsigned ints.
+
+  An update only moves bits, but XLA:CPU converts a `float8_*` or
+  `float4_e2m1fn` buffer to a wider float and back at every update, the
+  whole buffer each time.  A (359, 29, 1999) `float8_e4m3fn` buffer on one
+  device: 80 ms an update, 0.2 ms with its bits as `uint8`; `float4_e2m1fn`
+  93 ms, 9.6 ms as `uint4` (`int4` itself: 10-12 ms).  A bitcast between
+  types of one width is exact.  Wider floats keep their own type: as bits
+  their SPMD update copied the whole buffer (`bfloat16` 0.4 ms, 14.6 ms as
+  `uint16`).  Measured with a /tmp script, 2026-12-07.
+  """
+
+  def run(buf, piece, *rest):
+    dtype = np.dtype(buf.dtype)
+    if not _narrow_float(dtype):
+      return update(buf, piece, *rest)
+    bits = jax.numpy.uint8 if jax.numpy.finfo(dtype).bits == 8 else jax.numpy.uint4
+    cast = jax.lax.bitcast_convert_type
+    return cast(update(cast(buf, bits), cast(piece, bits), *rest), dtype)
+
+  return run
+
+
 @functools.partial(jax.jit, donate_argnums=0)
+@_as_bits
 def _update(buf, piece, starts):
   return jax.lax.dynamic_update_slice(buf, piece, tuple(starts))
 
@@ -197,7 +233,7 @@ def _update_every_shard(sharding: jax.sharding.NamedSharding):
     return jax.lax.dynamic_update_slice(buf, jax.numpy.where(live.reshape(()), piece, kept), at)
 
   return jax.jit(jax.shard_map(
-      body, mesh=sharding.mesh,
+      _as_bits(body), mesh=sharding.mesh,
       in_specs=(sharding.spec, sharding.spec, jax.sharding.PartitionSpec(), sharding.spec),
       out_specs=sharding.spec, check_vma=False), donate_argnums=0)
 
@@ -596,8 +632,19 @@ def _placement(shape, dtype, itemsize, chunk, sharding, piece_bytes, streamed: b
   # Tiles of half a piece: two reads fit in flight, one ahead of the
   # placement of the other (`readahead`).
   piece_bytes = max(piece_bytes // 2, itemsize)
+  # XLA:CPU's SPMD update of a narrow float whose shards have replicas held
+  # temporaries of most of the devices' bytes, in its own type or as bits
+  # (`_as_bits`): a (359, 58, 1999) `float8_e4m3fn` leaf over a 4x2 mesh,
+  # P(None, 'b'), 139 MiB (114 MiB as bits) for 166 MB on the devices,
+  # `float8_e5m2` 44 MiB; none unreplicated, none for other types.  A
+  # restore at 54 MiB peaked at 172 MiB beyond its arrays and took 3 minutes
+  # (`tools/fuzz_budget.py --gcs` seed 3034).  Such a leaf is filled a
+  # shard at a time, on one device of each replica group, and copied to
+  # the others.
+  replicated_narrow = _narrow_float(dtype) and any(len(d) > 1 for d in groups.values())
   if (all(big.values()) and len(groups) > 1 and len(set(extents.values())) == 1
-      and isinstance(sharding, jax.sharding.NamedSharding) and sharding.is_fully_addressable):
+      and isinstance(sharding, jax.sharding.NamedSharding) and sharding.is_fully_addressable
+      and not replicated_narrow):
     shard = next(iter(extents.values()))
     devices = sum(len(d) for d in groups.values())
     # A step holds every device's copy of its piece (host RAM on the CPU

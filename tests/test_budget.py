@@ -88,6 +88,23 @@ def test_a_drawn_state_restored_onto_other_layouts_beside_its_programs(tmp_path)
   assert beyond <= budget + TOLERANCE, r
 
 
+def test_a_replicated_float8_leaf_filled_in_place_holds_the_budget(tmp_path):
+  """`tools/fuzz_budget.py --gcs` seed 3034: a (359, 58, 1999) float8_e4m3fn
+  leaf over a 4x2 mesh, P(None, 'b') (two shards of 20.8 MB, four replicas
+  each), saved by Orbax's writer (a chunk a shard), restored on devices that
+  copy at 54 MiB: its shards are filled in place.  XLA:CPU's SPMD update of
+  a replicated float8 buffer held temporaries of most of the devices' bytes:
+  172 MiB beyond the restored arrays, and 3 minutes (`reading._placement`)."""
+  d, total = str(tmp_path / 'c'), '46400434'
+  states.run_worker('save', d, 'drawn:3034', total, 'orbax', str(512 * MiB))
+  env = {**states.COPYING_DEVICES, 'KD_TEST_STALL_SECS': '20'}
+  budget = 54 * MiB
+  r = states.run_worker('restore', d, 'drawn:3034', total, str(budget), env=env)
+  beyond = r['peak_extra_bytes'] - r['restored_bytes']
+  print(f'float8 restore: {beyond / MiB:.1f} MiB beyond {r["restored_bytes"] / MiB:.0f} MiB')
+  assert beyond <= budget + TOLERANCE, r
+
+
 @pytest.mark.parametrize('env', [{}, states.COPYING_DEVICES], ids=['shared', 'copying'])
 def test_a_restore_refused_below_its_floor_names_a_budget_it_accepts(tmp_path, env):
   """Below its floor a restore was refused naming the floor, and in the next
