@@ -202,6 +202,14 @@ class MeasuredSave:
                         self.label, cleanup)
     if storage.is_disk_full(e) and not getattr(e, 'checked_before_writing', False):
       raise storage.DiskFullError.during_save(self.directory, self.plan.total_bytes) from e
+    note = (f'kd_ckpt: the save of {self.label} failed; it is not a checkpoint, and'
+            ' earlier checkpoints are untouched.')
+    if (isinstance(e, Exception) and os.fspath(self.directory) not in str(e)
+        and note not in getattr(e, '__notes__', ())):
+      # Errors from below (gcsfs losing a bucket: 'Cannot connect to host
+      # ...', a failed device-to-host copy) do not say which save they ended;
+      # the traceback then does.
+      e.add_note(note)
 
   # --- after ------------------------------------------------------------------
 

@@ -644,9 +644,13 @@ def test_a_failed_slice_gives_its_charge_back(tmp_path, monkeypatch):
   real = streaming.to_host
   calls = _fail_to_host_at(monkeypatch, 3)
   tree = {'w': jnp.arange(4 << 20, dtype=jnp.float32).reshape(4096, 1024)}
-  with pytest.raises(RuntimeError, match='device-to-host'):
+  with pytest.raises(RuntimeError, match='device-to-host') as failed:
     kd_ckpt.save(tmp_path / 'a', tree, strategy='streaming', host_ram_budget=64 << 20)
   assert len(calls) == 3
+  # The copy's own message does not say which save it ended; a note does.
+  notes = getattr(failed.value, '__notes__', [])
+  assert any(str(tmp_path / 'a') in n and 'earlier checkpoints are untouched' in n
+             for n in notes), notes
   assert limiter_lib.process_limiter().in_use_bytes == 0
   monkeypatch.setattr(streaming, 'to_host', real)
   kd_ckpt.save(tmp_path / 'b', tree, strategy='streaming', host_ram_budget=64 << 20)
