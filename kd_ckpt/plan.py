@@ -176,8 +176,15 @@ class Streaming:
   name: str = 'streaming'
 
   def predict(self, est, budget_bytes) -> Candidate:
+    # The layout sets the chunk shape every process writes its shards in, so
+    # it comes from what all processes see alike: the whole tree's bytes,
+    # not this process's (process 0 also writes the numpy leaves).  From
+    # this process's bytes, a 4-process save whose process 0 held 16 MiB of
+    # numpy leaves wrote chunks of (387, 1000) there and (129, 2000) in the
+    # others, under one metadata: a corrupt checkpoint (`tools/fuzz_budget.py
+    # --processes 4` seed 5003; `kd_ckpt.verify` named the leaf).
     layout = cost.streaming_layout(budget_bytes, est.num_leaves,
-                                   data_bytes=est.total_bytes(True))
+                                   data_bytes=est.global_bytes)
     peak = cost.predict_streaming(est, layout)
     return Candidate(
         name=self.name, strategy='streaming', predicted_peak_bytes=peak,
