@@ -14,8 +14,9 @@ each box (a hyper-rectangle in global coordinates) of logical bytes it wrote:
     records, since the bytes are the very same.
 
 No extra pass over the data and no extra copy: the CRC reads the host buffer
-that is about to be written (CRC32C runs at ~7 GB/s here, and releases the
-GIL).  The records go to `kd_ckpt_checksums.process_<i>.json` in the
+that is about to be written (CRC32C ran at ~13 GB/s here; google-crc32c
+holds the GIL while it runs: 256 MiB took 20 ms in one thread and 40 ms for
+two in two threads, 2026-12-07).  The records go to `kd_ckpt_checksums.process_<i>.json` in the
 checkpoint folder, inside Orbax's temporary directory, so they are renamed
 into place with the checkpoint.  Orbax's own files are unchanged, and stock
 Orbax ignores ours.  `kd_ckpt.verify` re-reads every box and compares.
