@@ -1,8 +1,10 @@
 """The streaming save: a hard host-RAM budget, stock-Orbax-readable output."""
 
+import collections
 import json
 import os
 import threading
+import time
 
 import jax
 import numpy as np
@@ -759,8 +761,18 @@ def test_a_small_states_writeback_starts_after_its_first_group_and_leaves_nothin
   monkeypatch.setattr(writeback.Writeback, 'committed', committed)
 
   def open_files():
-    return sorted(os.readlink(f'/proc/self/fd/{fd}') for fd in os.listdir('/proc/self/fd')
-                  if os.path.exists(f'/proc/self/fd/{fd}'))
+    return collections.Counter(
+        os.readlink(f'/proc/self/fd/{fd}') for fd in os.listdir('/proc/self/fd')
+        if os.path.exists(f'/proc/self/fd/{fd}'))
+  def left_open(before):
+    # TensorStore's I/O threads close a data file's descriptor on their own
+    # schedule: CI once saw the warm save's `d/<hash>` still open after that
+    # save returned, and closed a moment later.  So this asks what stays
+    # open beyond `before`, for up to 5 s, not for an identical snapshot.
+    deadline = time.monotonic() + 5
+    while (extra := open_files() - before) and time.monotonic() < deadline:
+      time.sleep(0.05)
+    return dict(extra)
   def own_threads():  # the writeback and manifest threads (asyncio's pool threads stay)
     return {t.name for t in threading.enumerate() if t.name.startswith('kd_ckpt-')}
   tree = {'w': jnp.arange(8 << 20, dtype=jnp.float32).reshape(2048, 4096)}
@@ -774,14 +786,14 @@ def test_a_small_states_writeback_starts_after_its_first_group_and_leaves_nothin
   assert events.count('start') >= events.count('commit') - 1, events
   third_commit = [i for i, e in enumerate(events) if e == 'commit'][2]
   assert 'start' in events[:third_commit], events
-  assert open_files() == before
+  assert not left_open(before)
   assert own_threads() <= threads
   assert np.asarray(kd_ckpt.restore(tmp_path / 'a')['w']).tobytes() == np.asarray(tree['w']).tobytes()
 
   _fail_to_host_at(monkeypatch, 6)
   with pytest.raises(RuntimeError, match='device-to-host'):
     kd_ckpt.save(tmp_path / 'b', tree, strategy='streaming', host_ram_budget='256MiB')
-  assert open_files() == before
+  assert not left_open(before)
   assert own_threads() <= threads
 
 
