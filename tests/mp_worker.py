@@ -24,6 +24,7 @@ import json
 import os
 import sys
 import time
+import traceback
 
 import numpy as np
 
@@ -550,7 +551,17 @@ def _fuzz(argv) -> dict:
 
 if __name__ == '__main__':
   mode, rest = sys.argv[1], sys.argv[2:]
-  result = {'save': _save, 'restore': _restore, 'save_api': _save_api,
-            'save_reuse': _save_reuse,
-            'preflight_one': _preflight_one, 'fuzz': _fuzz}[mode](rest)
+  try:
+    result = {'save': _save, 'restore': _restore, 'save_api': _save_api,
+              'save_reuse': _save_reuse,
+              'preflight_one': _preflight_one, 'fuzz': _fuzz}[mode](rest)
+  except BaseException as e:  # pylint: disable=broad-exception-caught
+    if isinstance(e, SystemExit) and e.code in (None, 0):
+      raise
+    # Exit now: a normal exit runs jax.distributed's shutdown, which waits
+    # for the other processes, and they wait at a barrier for this one, so
+    # the harness saw a timeout, not this error.
+    traceback.print_exc()
+    sys.stderr.flush()
+    os._exit(1)  # pylint: disable=protected-access
   print(json.dumps(result))
