@@ -34,11 +34,18 @@ PEER_BUDGET = '256MiB'
 
 
 def install_orbax_peer(strategy: str) -> None:
-  """Routes Orbax's PyTree and Standard handlers through kd_ckpt (`strategy`)."""
-  if strategy not in ('streaming', 'orbax'):
-    raise ValueError(f'strategy={strategy!r}: use "streaming" or "orbax".')
+  """Routes Orbax's PyTree and Standard handlers through kd_ckpt (`strategy`).
+
+  `auto` is a choice made for a whole save, which the handlers built from
+  `StandardCheckpointHandler` make (each save planned at `PEER_BUDGET`); a
+  type handler sees a batch of leaves, not a save, so the one registered for
+  `jax.Array` under `auto` is the streaming writer's, what `auto` falls back
+  to when Orbax's writer does not fit.
+  """
+  if strategy not in ('streaming', 'orbax', 'auto'):
+    raise ValueError(f'strategy={strategy!r}: use "streaming", "orbax" or "auto".')
   ctx = arrays_lib.SaveContext.for_budget(plan_lib.budget_lib.parse(PEER_BUDGET).bytes)
-  cls = streaming.StreamingArrayHandler if strategy == 'streaming' else orbax_writer.OrbaxArrayHandler
+  cls = orbax_writer.OrbaxArrayHandler if strategy == 'orbax' else streaming.StreamingArrayHandler
   ocp.type_handlers.register_type_handler(jax.Array, cls(save=ctx), override=True)
   ocp.type_handlers.register_type_handler(
       np.ndarray, arrays_lib.KdNumpyHandler(), override=True)

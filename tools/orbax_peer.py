@@ -13,10 +13,10 @@ localhost, 8 fake CPU devices in all.  Only test helpers the wheel lacks
 (orbax.checkpoint._src.testing.multiprocess_test, oss/multiprocess_test) come
 from DIR.  A test passes if it passes in one process and fails in none.
 
-`--mode=streaming|orbax` first calls `kd_ckpt.testing.install_orbax_peer(mode)`
+`--mode=streaming|orbax|auto` first calls `kd_ckpt.testing.install_orbax_peer(mode)`
 (kd_ckpt's jax.Array type handler registered globally, StandardCheckpointHandler
 resolving to kd_ckpt's) from a pytest plugin written to a temporary folder.
-`--mode=all` runs stock, streaming and orbax (`--json OUT`: OUT.stock.json, ...)
+`--mode=all` runs stock, streaming, orbax and auto (`--json OUT`: OUT.stock.json, ...)
 and, as `--compare` does, lists the tests passing with stock Orbax but not
 with kd_ckpt.
 
@@ -47,7 +47,7 @@ SUITES = {
     'standard': 'standard_checkpoint_handler_test.py',
     'pytree': 'pytree_checkpoint_handler_test.py',
 }
-MODES = ('stock', 'streaming', 'orbax')
+MODES = ('stock', 'streaming', 'orbax', 'auto')
 DEVICES = 8
 # A test's outcome over the processes: the first of these that one of them has.
 _RANK = ('error', 'failed', 'xpassed', 'passed', 'xfailed', 'skipped')
