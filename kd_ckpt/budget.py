@@ -22,6 +22,8 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import re
 
 from absl import logging
@@ -70,7 +72,8 @@ def parse(value: BudgetLike) -> BudgetSpec:
     return value
   if isinstance(value, bool) or value is None:
     raise ValueError(f'Invalid host_ram_budget={value!r}. {hint}')
-  if isinstance(value, int):
+  if isinstance(value, numbers.Integral):  # numpy's integers too
+    value = int(value)
     if value <= 0:
       raise ValueError(
           f'host_ram_budget={value!r} must be positive. {hint}'
@@ -78,10 +81,13 @@ def parse(value: BudgetLike) -> BudgetSpec:
     return BudgetSpec(text=str(value), bytes=value)
   if isinstance(value, float):
     if not 0.0 < value <= 1.0:
+      # Bytes given as a float (1.5 meaning 1.5 GiB?) get a string to write;
+      # nan, inf and negatives no suggestion built from them.
+      instead = (f' For bytes pass an int or a string such as "{value:g}GiB".'
+                 if 1.0 < value < math.inf else '')
       raise ValueError(
           f'host_ram_budget={value!r}: a float budget is a fraction of'
-          f' available memory and must be in (0, 1]. For bytes pass an int or'
-          f' a string such as "{value:g}GiB". {hint}'
+          f' available memory and must be in (0, 1].{instead} {hint}'
       )
     return BudgetSpec(text=f'{value:g} of available', fraction=value)
   if isinstance(value, str):

@@ -45,6 +45,19 @@ def test_parse_rejects_with_a_fix(bad):
   assert repr(bad) in str(e.value) and '"auto"' in str(e.value)
 
 
+def test_parse_takes_numpy_integers_and_suggests_no_size_for_nan():
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  assert budget.parse(np.int64(512 << 20)).bytes == 512 << 20
+  assert budget.parse(np.uint32(4096)).text == '4096'
+  with pytest.raises(ValueError, match='must be positive'):
+    budget.parse(np.int64(-1))
+  for bad in (float('nan'), float('inf'), -2.0):
+    with pytest.raises(ValueError, match=r'must be in \(0, 1\]\. Use "auto"'):
+      budget.parse(bad)
+  with pytest.raises(ValueError, match='a string such as "1.5GiB"'):
+    budget.parse(1.5)
+
+
 def _mem(total=16 * GiB, avail=8 * GiB, procs=1):
   return hostmem.HostMemory(total_bytes=total, available_bytes=avail,
                             rss_bytes=0, local_process_count=procs)
