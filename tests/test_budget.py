@@ -105,6 +105,20 @@ def test_a_replicated_float8_leaf_filled_in_place_holds_the_budget(tmp_path):
   assert beyond <= budget + TOLERANCE, r
 
 
+def test_a_cold_save_of_many_small_packed_leaves_holds_the_budget(tmp_path):
+  """`tools/fuzz_budget.py --gcs` seed 8042: 162 leaves (10.3 MiB), 28 of
+  them int4/float4 of as many shard shapes, each copied whole on its device
+  before its transfer (`streaming.to_host`).  `jnp.array(copy=True)`
+  compiled a program per shape, which XLA keeps: the streaming save at the
+  58 MiB its refusal named peaked at 62.3-63.0 MiB (67 MiB on a bucket).
+  The runtime's copy compiles nothing: 29.7 MiB.  Asserted without the
+  suite's tolerance, since the overshoot was under it locally."""
+  d, total, budget = str(tmp_path / 'c'), '10780289', 58 * MiB
+  r = states.run_worker('save', d, 'drawn:8042', total, 'streaming', str(budget))
+  print(f'packed leaves save: {r["peak_extra_bytes"] / MiB:.1f} MiB at {budget / MiB:.0f} MiB')
+  assert r['peak_extra_bytes'] <= budget, r
+
+
 @pytest.mark.parametrize('env', [{}, states.COPYING_DEVICES], ids=['shared', 'copying'])
 def test_a_restore_refused_below_its_floor_names_a_budget_it_accepts(tmp_path, env):
   """Below its floor a restore was refused naming the floor, and in the next
