@@ -156,6 +156,12 @@ PROGRAM_BYTES = 1 * MiB
 # `python bench/relayout_restore.py --programs`).  A restore holds both
 # (compiles one at a time).
 RELAYOUT_PROGRAM_BYTES = 3 * MiB
+# Each program the streaming writer keeps to cut part of a shard on its
+# device (`streaming._CutPrograms`: packed dtypes on the CPU backend, every
+# dtype elsewhere; one per shard shape, part shape and device).  Measured
+# 0.38 MiB each on one CPU device (120 int4 shapes; the first compile's
+# start-up aside); unmeasured on accelerators.  Charged as `PROGRAM_BYTES`.
+CUT_PROGRAM_BYTES = PROGRAM_BYTES
 RELAYOUT_COMPILE_BYTES = 13 * MiB
 # XLA's compiler start-up in a process that has compiled nothing yet
 # (`kd_ckpt.startup`): 52.6-54.5 MiB for `start_compiler` in three fresh
