@@ -56,6 +56,15 @@ def _check(r, budget, what):
   assert peak <= budget + TOLERANCE, (what, r)
 
 
+def _restore_holds(d, state, total, budget, env, what):
+  """Restores `state` from `d` in a fresh process; its peak beyond the
+  restored arrays must stay within `budget` (plus the suite's tolerance)."""
+  r = states.run_worker('restore', d, state, total, str(budget), env=env)
+  beyond = r['peak_extra_bytes'] - r['restored_bytes']
+  print(f'{what}: {beyond / MiB:.1f} MiB beyond {r["restored_bytes"] / MiB:.0f} MiB')
+  assert beyond <= budget + TOLERANCE, r
+
+
 @pytest.mark.parametrize('strategy,budget', [('auto', 128 * MiB), ('streaming', 96 * MiB)])
 def test_chunks_with_an_extent_of_one_are_charged_as_copied(tmp_path, strategy, budget):
   """TensorStore copies a chunk with a dim of 1 (a 1x1 conv kernel, one row a
@@ -99,11 +108,7 @@ def test_a_drawn_state_restored_onto_other_layouts_beside_its_programs(tmp_path)
   states.run_worker('save', d, 'drawn:159', total, 'streaming', str(101423010))
   env = {**states.COPYING_DEVICES, 'KD_TEST_RESHARD': '159', 'KD_TEST_STALL_SECS': '20',
          'KD_TEST_WARM': '1'}  # no start-up paid inside: the same room every run
-  budget = 38 * MiB
-  r = states.run_worker('restore', d, 'drawn:159', total, str(budget), env=env)
-  beyond = r['peak_extra_bytes'] - r['restored_bytes']
-  print(f'resharded restore: {beyond / MiB:.1f} MiB beyond {r["restored_bytes"] / MiB:.0f} MiB')
-  assert beyond <= budget + TOLERANCE, r
+  _restore_holds(d, 'drawn:159', total, 38 * MiB, env, 'resharded restore')
 
 
 def test_a_replicated_float8_leaf_filled_in_place_holds_the_budget(tmp_path):
@@ -116,11 +121,7 @@ def test_a_replicated_float8_leaf_filled_in_place_holds_the_budget(tmp_path):
   d, total = str(tmp_path / 'c'), '46400434'
   states.run_worker('save', d, 'drawn:3034', total, 'orbax', str(512 * MiB))
   env = {**states.COPYING_DEVICES, 'KD_TEST_STALL_SECS': '20'}
-  budget = 54 * MiB
-  r = states.run_worker('restore', d, 'drawn:3034', total, str(budget), env=env)
-  beyond = r['peak_extra_bytes'] - r['restored_bytes']
-  print(f'float8 restore: {beyond / MiB:.1f} MiB beyond {r["restored_bytes"] / MiB:.0f} MiB')
-  assert beyond <= budget + TOLERANCE, r
+  _restore_holds(d, 'drawn:3034', total, 54 * MiB, env, 'float8 restore')
 
 
 def test_a_cold_save_of_many_small_packed_leaves_holds_the_budget(tmp_path):
