@@ -185,10 +185,10 @@ def shards_all_zero(shards: Sequence[jax.Array]) -> bool | None:
   None where that cannot be told without copying (a dtype narrower than a
   byte, complex).  On the CPU backend the device buffer is host memory and
   is scanned in place (`all_zero`: random data stops at its first bytes);
-  on an accelerator one reduction per shard runs on the device (compiled
-  once per shape) and a single bool comes back.  Either way nothing is
-  copied to the host: a leaf found zero is written from zero pages
-  (`streaming`), checksummed by its length (`integrity.crc32c_zeros`).
+  on an accelerator one reduction per shard runs on the device (a program
+  per shard shape, dtype and device) and a single bool comes back.  Either way nothing is copied to the host: a leaf found
+  zero is written from zero pages (`streaming`), checksummed by its length
+  (`integrity.crc32c_zeros`).
 
   Example:
 
@@ -196,15 +196,28 @@ def shards_all_zero(shards: Sequence[jax.Array]) -> bool | None:
     # True
   """
   for s in shards:
-    if _bit_width(s.dtype) != 8 * np.dtype(s.dtype).itemsize:
+    if not zero_checkable(s.dtype):
       return None
-    if next(iter(s.devices())).platform == 'cpu':
+    if scanned_in_place(s):
       zero = all_zero(np.asarray(s))  # a view of the device buffer
     else:
       zero = not bool(any_bit_set(s))
     if not zero:
       return False
   return True
+
+
+def scanned_in_place(shard: jax.Array) -> bool:
+  """Whether `shards_all_zero` reads this shard's buffer in place (the CPU backend).
+
+  Elsewhere it runs a program on the shard's device (`any_bit_set`).
+  """
+  return next(iter(shard.devices())).platform == 'cpu'
+
+
+def zero_checkable(dtype) -> bool:
+  """Whether `shards_all_zero` can tell a shard of `dtype` zero without copying it."""
+  return _bit_width(dtype) == 8 * np.dtype(dtype).itemsize
 
 
 def _bit_width(dtype) -> int | None:
@@ -223,14 +236,19 @@ def _bit_width(dtype) -> int | None:
     return None
 
 
-@jax.jit
-def any_bit_set(x: jax.Array) -> jax.Array:
-  """Whether any bit of `x` is set, on its device (-0.0 counts: its sign bit)."""
+def has_set_bit(x: jax.Array) -> jax.Array:
+  """Whether any bit of `x` is set (-0.0 counts: its sign bit), traced (see `any_bit_set`)."""
   if x.dtype == jax.numpy.bool_:
     return jax.numpy.any(x)
   uint = {1: jax.numpy.uint8, 2: jax.numpy.uint16, 4: jax.numpy.uint32,
           8: jax.numpy.uint64}[x.dtype.itemsize]
   return jax.numpy.any(jax.lax.bitcast_convert_type(x, uint) != 0)
+
+
+# On its device; compiled once per shape, dtype and device, kept by XLA for
+# the process's life.  The streaming writer runs programs of its own
+# instead, one per leaf, kept within its budget (`streaming._DevicePrograms`).
+any_bit_set = jax.jit(has_set_bit)
 
 
 # Restores through a handler that was not given a budget (e.g. Orbax's own

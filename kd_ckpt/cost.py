@@ -156,12 +156,16 @@ PROGRAM_BYTES = 1 * MiB
 # `python bench/relayout_restore.py --programs`).  A restore holds both
 # (compiles one at a time).
 RELAYOUT_PROGRAM_BYTES = 3 * MiB
-# Each program the streaming writer keeps to cut part of a shard on its
-# device (`streaming._CutPrograms`: packed dtypes on the CPU backend, every
-# dtype elsewhere; one per shard shape, part shape and device).  Measured
-# 0.38 MiB each on one CPU device (120 int4 shapes; the first compile's
-# start-up aside); unmeasured on accelerators.  Charged as `PROGRAM_BYTES`.
-CUT_PROGRAM_BYTES = PROGRAM_BYTES
+# Each program the streaming writer keeps on a shard's device
+# (`streaming._DevicePrograms`): one cutting part of a shard (packed dtypes
+# on the CPU backend, every dtype elsewhere; one per shard shape, part shape
+# and device), or looking for a set bit in a leaf that may be all zero
+# (accelerators only; one per leaf shape, dtype and sharding).
+# Measured on CPU devices, the first compile's start-up aside: 0.38 MiB a
+# cut (120 int4 shapes, one device), 0.68-0.70 MiB a zero check (one
+# program a leaf over 8 devices, 61 leaves); unmeasured on accelerators.
+# Charged as `PROGRAM_BYTES`.
+DEVICE_PROGRAM_BYTES = PROGRAM_BYTES
 RELAYOUT_COMPILE_BYTES = 13 * MiB
 # XLA's compiler start-up in a process that has compiled nothing yet
 # (`kd_ckpt.startup`): 52.6-54.5 MiB for `start_compiler` in three fresh

@@ -243,7 +243,7 @@ def unseen(name: str, total_bytes: int):
     # 36 int4 and float4 leaves of as many shapes, on one device or (a
     # third) sharded by rows over 8, every shard of ~1/120 of the state: at
     # small budgets each is cut in a few slices on its device, one program
-    # per shard shape, part shape and device (`streaming._CutPrograms`).
+    # per shard shape, part shape and device (`streaming._DevicePrograms`).
     # Made on the host.
     import ml_dtypes  # pylint: disable=g-import-not-at-top
     rng = np.random.default_rng(5)

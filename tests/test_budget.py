@@ -86,7 +86,7 @@ def test_slices_cut_on_the_devices_keep_few_programs(tmp_path):
   and XLA kept all of them: 120 int4 leaves of as many shapes saved at 48
   MiB peaked at 89.8 MiB, and this state (36 leaves, 240 programs) at 69.3
   MiB.  The writer keeps only those its budget has room for
-  (`streaming._CutPrograms`): 35.1 MiB."""
+  (`streaming._DevicePrograms`): 35.1 MiB."""
   budget = 48 * MiB
   r = states.run_worker('save', str(tmp_path / 'c'), 'packed_shapes', str(160 * MiB),
                         'streaming', str(budget))
