@@ -577,9 +577,12 @@ def _zero_key(arr: jax.Array) -> tuple | None:
 
   One per leaf shape, dtype and sharding, not per shard and device: a leaf
   over 8 GPUs takes one program, not 8.  None for a sharding other than a
-  mesh's or a single device's (the leaf is then looked at on the host).
+  mesh's or a single device's, and for a leaf kept in host memory (an
+  offloaded optimizer state: a program would run on the devices): the
+  leaf is then looked at on the host.
   """
-  if not isinstance(arr.sharding, (jax.sharding.NamedSharding, jax.sharding.SingleDeviceSharding)):
+  if (not isinstance(arr.sharding, (jax.sharding.NamedSharding, jax.sharding.SingleDeviceSharding))
+      or arr.sharding.memory_kind not in (None, 'device')):
     return None
   return ('zero', tuple(arr.shape), str(arr.dtype), arr.sharding)
 

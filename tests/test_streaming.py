@@ -1116,3 +1116,26 @@ def test_a_leaf_is_looked_at_on_its_devices_by_one_program(spec):
       x = jax.device_put(x.at[at].set(value), sharding)
       assert programs.any_bit_set(x, grow=False) is True, (at, value)
   assert len(programs) == 1
+
+
+def test_a_leaf_in_host_memory_is_looked_at_on_the_host(tmp_path, monkeypatch):
+  """A leaf offloaded to host memory (`memory_kind='pinned_host'`) gets no
+  zero-check program on the devices (`streaming._zero_key`): it is looked
+  at on the host, and a zero one is still stored zstd."""
+  from kd_ckpt import arrays
+  monkeypatch.setattr(arrays, 'scanned_in_place', lambda shard: False)  # as on an accelerator
+  monkeypatch.setattr(streaming_lib, '_PROGRAMS', streaming_lib._DevicePrograms())
+  m1, _ = states.meshes()
+  host = states.NS(m1, states.P('x'), memory_kind='pinned_host')
+  tree = {'mu': jax.device_put(np.zeros((1024, 1031), np.float32), host),
+          'w': jax.device_put(np.asarray(states.filled((1024, 1031), states.NS(m1, states.P('x')))),
+                              host)}
+  assert streaming_lib._zero_key(tree['mu']) is None
+  d = tmp_path / 'c'
+  kd_ckpt.save(d, tree, host_ram_budget=64 * MiB, strategy='streaming')
+  assert len(streaming_lib._PROGRAMS) == 0
+  import tensorstore as ts
+  kv = ts.KvStore.open({'driver': 'ocdbt', 'base': f'file://{d}/'}).result()
+  assert json.loads(kv.read(b'mu/.zarray').result().value)['compressor']
+  assert not json.loads(kv.read(b'w/.zarray').result().value)['compressor']
+  _assert_equal(tree, kd_ckpt.restore(d, _abstract(tree), host_ram_budget=64 * MiB))
