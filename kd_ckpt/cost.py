@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Collection
 
 from kd_ckpt import estimate as estimate_lib
 
@@ -204,6 +205,17 @@ ORBAX_RAW_ENCODE_FACTOR = 0.02
 # first save against later ones), +15 MiB on each of two (tests/
 # test_multiprocess.py); kept at 24 MiB.
 ORBAX_SLICE_COMPILE_BYTES = 24 * MiB
+# ... and one program per shard shape, dtype, slice and device
+# (`estimate.slice_program_key`), each kept by XLA: 30 replicated leaves of
+# as many shapes over 8 CPU devices in two processes (120 programs a
+# process) peaked at 171.4 MiB on a first save and 105.7 MiB on the next,
+# 0.55 MiB a program; with 60 leaves (240 programs) a save predicted at
+# 350.4 MiB peaked at 388.7 MiB (`tests/test_multiprocess.py`).  Charged
+# for each program this process has not compiled yet
+# (`estimate.compiled_slice_programs`) beyond the first
+# `ORBAX_SLICE_PROGRAMS_IN_COMPILE`, which the 24 MiB above was measured with.
+ORBAX_SLICE_PROGRAM_BYTES = PROGRAM_BYTES
+ORBAX_SLICE_PROGRAMS_IN_COMPILE = 8
 # A host copy of a packed dtype (int4, `estimate.packed_on_device`) on the
 # CPU backend: a packed copy and an unpacked buffer on the device, then the
 # host's.  `np.asarray(jnp.array(x, copy=True))` of a 64 MiB int4 array
@@ -470,7 +482,7 @@ class OrbaxCost:
 
 def predict_orbax_async(
     est: estimate_lib.TreeEstimate, *, use_replica_parallel: bool,
-    enable_pinned_host_transfer: bool) -> OrbaxCost:
+    enable_pinned_host_transfer: bool, compiled: Collection[tuple] = ()) -> OrbaxCost:
   """Worst case of Orbax's async raw save: every host copy lives until the commit.
 
   Orbax copies every array to the host before `save()` returns and keeps the
@@ -478,12 +490,15 @@ def predict_orbax_async(
   zero-copy except for replica-parallel slices (`lax.slice_in_dim` makes new
   buffers) and packed dtypes (`estimate.packed_on_device`: numpy unpacks
   them); numpy leaves are deep-copied.  Raw chunks: TensorStore writes
-  from those copies.
+  from those copies.  Replica-parallel slices compile programs XLA keeps
+  (`estimate.LeafEstimate.slice_programs`), those in `compiled` aside.
   """
   on_cpu = est.platform == 'cpu'
   copies = 0
   chunk_copies = 0
   sliced = use_replica_parallel and any(l.replica_parallel_applies for l in est.leaves)
+  programs = ({k for l in est.leaves for k in l.slice_programs} - set(compiled)
+              if use_replica_parallel else set())
   for leaf in est.leaves:
     w = leaf.host_bytes(use_replica_parallel)
     if not leaf.is_array:
@@ -501,6 +516,7 @@ def predict_orbax_async(
   pinned = copies if enable_pinned_host_transfer and not on_cpu else 0
   encode = chunk_copies + int(est.total_bytes(use_replica_parallel) * ORBAX_RAW_ENCODE_FACTOR)
   floor = (ORBAX_FLOOR_BYTES + (ORBAX_SLICE_COMPILE_BYTES if sliced else 0)
+           + max(0, len(programs) - ORBAX_SLICE_PROGRAMS_IN_COMPILE) * ORBAX_SLICE_PROGRAM_BYTES
            + est.num_leaves * ORBAX_PER_LEAF_BYTES)
   return OrbaxCost(host_copy_bytes=copies, pinned_staging_bytes=pinned, encode_bytes=encode,
                    floor_bytes=floor)

@@ -53,6 +53,10 @@ class LeafEstimate:
       with `can_reference_source_data_indefinitely`: a 64 MiB write of
       (4096, 1, 4096) took 68 MiB, of (4096, 2, 2048) 4.6 MiB), so its bytes
       are paid twice where a host copy exists, and once on CPU where none does.
+    slice_programs: the programs replica parallelism compiles on this host
+      to cut this leaf's shards (`lax.slice_in_dim`, one per shard shape,
+      dtype, slice and device: `slice_program_key`), which XLA keeps for
+      the process's life; empty where it does not apply.
   """
 
   path: str
@@ -66,6 +70,7 @@ class LeafEstimate:
   replica_parallel_applies: bool
   is_array: bool = True
   unit_dim_chunks: bool = False
+  slice_programs: tuple[tuple, ...] = ()
 
   @property
   def packed(self) -> bool:
@@ -205,12 +210,49 @@ def estimate_leaf(path: str, x: Any) -> LeafEstimate:
   rp_applies = rp_axis is not None and shard_bytes > 0
   rp = (sum(shard_bytes // num_replicas for d in local if ids[d][0] < num_replicas)
         if rp_applies else single)
+  size = shard_shape[rp_axis] // num_replicas if rp_applies else 0
+  programs = tuple(sorted({
+      slice_program_key(shard_shape, x.dtype, rp_axis, ids[d][0] * size, (ids[d][0] + 1) * size,
+                        d.id)
+      for d in local})) if rp_applies else ()
   return LeafEstimate(
       path=path, shape=shape, dtype=str(np.dtype(x.dtype)), global_bytes=global_bytes,
       shard_bytes=shard_bytes, num_replicas=num_replicas, write_bytes=single,
       write_bytes_replica_parallel=rp, replica_parallel_applies=rp_applies,
       unit_dim_chunks=1 in shard_shape or (
-          rp_applies and shard_shape[rp_axis] // num_replicas == 1))
+          rp_applies and shard_shape[rp_axis] // num_replicas == 1),
+      slice_programs=programs)
+
+
+# Slice programs this process has compiled (`slice_program_key`): a later
+# save finds them, so its plan does not charge them again.
+_COMPILED_SLICE_PROGRAMS: set[tuple] = set()
+
+
+def compiled_slice_programs() -> frozenset[tuple]:
+  """The replica-slice programs this process has compiled (`note_slice_programs`)."""
+  return frozenset(_COMPILED_SLICE_PROGRAMS)
+
+
+def note_slice_programs(keys) -> None:
+  """Records replica-slice programs as compiled (by the writer, once it cut them)."""
+  _COMPILED_SLICE_PROGRAMS.update(keys)
+
+
+def slice_program_key(shard_shape, dtype, axis: int, start: int, stop: int,
+                      device_id: int) -> tuple:
+  """The program `lax.slice_in_dim` compiles to cut a replica slice of a shard.
+
+  Orbax's replica parallelism cuts each replica's part of a shard on its
+  device with an eager `lax.slice_in_dim`: XLA compiles one program per
+  shard shape, dtype, slice and device and keeps it.
+
+  Example:
+
+    slice_program_key((1024, 512), 'float32', 0, 256, 512, 3)
+  """
+  return (tuple(int(n) for n in shard_shape), str(np.dtype(dtype)), int(axis), int(start),
+          int(stop), int(device_id))
 
 
 def _key_data_sharding(sharding, ndim: int):

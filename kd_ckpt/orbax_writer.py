@@ -29,6 +29,7 @@ import orbax.checkpoint as ocp
 
 from kd_ckpt import arrays as arrays_lib
 from kd_ckpt import compat
+from kd_ckpt import estimate as estimate_lib
 from kd_ckpt import integrity
 from kd_ckpt import reuse
 from kd_ckpt import slicing
@@ -59,11 +60,24 @@ class OrbaxArrayHandler(arrays_lib.KdArrayHandler):
     w_infos = [infos[i] for i in write_idx]
     w_args = [args[i] for i in write_idx]
     pinned = bool(infos[0].enable_pinned_host_transfer)
+    opts = self._options
+    sliced = [compat.orbax.get_replica_slices(
+        a, opts.replica_id, opts.use_replica_parallel, opts.min_slice_bytes_for_replica_parallel,
+        opts.max_replicas_for_replica_parallel) for a in w_arrays] if opts.use_replica_parallel else []
     host = compat.orbax.transfer_arrays_to_host(
-        w_arrays, self._options.replica_id, self._options.use_replica_parallel,
-        min_slice_bytes_for_replica_parallel=self._options.min_slice_bytes_for_replica_parallel,
-        max_replicas_for_replica_parallel=self._options.max_replicas_for_replica_parallel,
+        w_arrays, opts.replica_id, opts.use_replica_parallel,
+        min_slice_bytes_for_replica_parallel=opts.min_slice_bytes_for_replica_parallel,
+        max_replicas_for_replica_parallel=opts.max_replicas_for_replica_parallel,
         enable_pinned_host_transfer=pinned) if w_arrays else []
+    # The programs that cut those replica slices are XLA's now: later plans
+    # do not charge them again (`cost.ORBAX_SLICE_PROGRAM_BYTES`).
+    estimate_lib.note_slice_programs(
+        estimate_lib.slice_program_key(rs.unsliced_data.shape, rs.unsliced_data.dtype,
+                                       rs.slice_args.axis, rs.slice_args.start_index,
+                                       rs.slice_args.limit_index,
+                                       next(iter(rs.unsliced_data.devices())).id)
+        for h in sliced for rs in h.replica_slices
+        if rs.slice_args is not None and not rs.is_on_host)
     # Leaves stored zstd (`arrays.ZSTD_ZERO_LEAVES_FROM_BYTES`): those whose
     # host copies are all zero.  The scan stops at the first bytes of most
     # data; on a zero leaf it stands in for the CRC pass (`crc32c_zeros`).

@@ -158,7 +158,8 @@ class OrbaxAsync:
   def predict(self, est, budget_bytes) -> Candidate:
     c = cost.predict_orbax_async(
         est, use_replica_parallel=self.use_replica_parallel,
-        enable_pinned_host_transfer=self.enable_pinned_host_transfer)
+        enable_pinned_host_transfer=self.enable_pinned_host_transfer,
+        compiled=estimate_lib.compiled_slice_programs())
     zero_size = any(l.is_array and 0 in l.shape for l in est.leaves)
     return Candidate(
         name=self.name, strategy='orbax', predicted_peak_bytes=c.peak_bytes,

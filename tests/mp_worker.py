@@ -317,6 +317,51 @@ def _save_api(argv) -> dict:
   return {'process_index': pid, 'report': report.to_json_dict()}
 
 
+def _save_shapes(argv) -> dict:
+  """`kd_ckpt.save` (auto) of LEAVES replicated leaves of as many shapes, measured.
+
+  Data-parallel training replicates every parameter on every process; with
+  replica parallelism each process cuts its replicas' slices of each shape
+  with a program of its own (`estimate.slice_program_key`).  The peak is
+  taken from outside kd_ckpt (VmHWM around the call), then each process
+  restores and checks its shards.
+  """
+  path, budget, pid, nproc, port, num_leaves = argv
+  pid, nproc = int(pid), int(nproc)
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.distributed.initialize(
+      coordinator_address=f'127.0.0.1:{port}', num_processes=nproc, process_id=pid,
+      initialization_timeout=120)
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  import kd_ckpt  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import hostmem  # pylint: disable=g-import-not-at-top
+  from kd_ckpt import startup  # pylint: disable=g-import-not-at-top
+  startup.start_compiler()
+  sharding = _shardings(jax.devices(), 'rep')
+  shapes = {f'r{i}': (8 * (40 + i), 64 + 8 * i) for i in range(int(num_leaves))}
+  state = jax.block_until_ready({
+      k: jax.make_array_from_callback(s, sharding, lambda idx, s=s, i=i: values(s, 'float32', i, idx))
+      for i, (k, s) in enumerate(shapes.items())})
+  multihost_utils.sync_global_devices('kd_ckpt_mp_shapes_warm_up')
+  import gc  # pylint: disable=g-import-not-at-top
+  gc.collect()
+  hostmem.release_free_memory()
+  before = hostmem.current_rss_bytes()
+  hostmem.reset_peak_rss()
+  report = kd_ckpt.save(path, state, strategy='auto', host_ram_budget=int(budget))
+  peak = hostmem.peak_rss_bytes() - before
+  multihost_utils.sync_global_devices('kd_ckpt_mp_shapes_saved')
+  abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+  back = kd_ckpt.restore(path, abstract, host_ram_budget=int(budget))
+  for i, (k, s) in enumerate(shapes.items()):
+    for shard in back[k].addressable_shards:
+      if np.asarray(shard.data).tobytes() != values(s, 'float32', i, shard.index).tobytes():
+        raise AssertionError(f'leaf {k!r} shard {shard.index} differs')
+  multihost_utils.sync_global_devices('kd_ckpt_mp_shapes_restored')
+  return {'process_index': pid, 'peak_extra_bytes': peak, 'report': report.to_json_dict()}
+
+
 def _save_reuse(argv) -> dict:
   """Two `kd_ckpt.save`s, the second of the global state, reusing the first.
 
@@ -553,7 +598,7 @@ if __name__ == '__main__':
   mode, rest = sys.argv[1], sys.argv[2:]
   try:
     result = {'save': _save, 'restore': _restore, 'save_api': _save_api,
-              'save_reuse': _save_reuse,
+              'save_reuse': _save_reuse, 'save_shapes': _save_shapes,
               'preflight_one': _preflight_one, 'fuzz': _fuzz}[mode](rest)
   except BaseException as e:  # pylint: disable=broad-exception-caught
     if isinstance(e, SystemExit) and e.code in (None, 0):

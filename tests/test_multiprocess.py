@@ -347,3 +347,24 @@ def test_processes_that_write_different_bytes_write_one_chunk_layout(tmp_path):
   report = kd_ckpt.verify(path)
   print(report)
   assert report.ok, str(report)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_many_replicated_shapes_hold_the_budget_with_their_slice_programs(tmp_path):
+  """60 leaves replicated on all 8 devices, of as many shapes (data-parallel
+  training replicates every parameter).  Replica parallelism makes each
+  process cut its 4 replicas' slices of each shape with a program of its
+  own, which XLA keeps: 240 programs a process, ~0.5 MiB each.  The plan
+  charged a flat 24 MiB, so `auto` at 96 MiB took Orbax's replica-parallel
+  save and peaked at 131-133 MiB on each process.  Each new program is now
+  charged (`cost.ORBAX_SLICE_PROGRAM_BYTES`)."""
+  budget = 96 * MiB
+  port = _free_port()
+  results = _run(
+      [['save_shapes', str(tmp_path / 'c'), str(budget), str(i), '2', str(port), '60']
+       for i in range(2)], devices=4, log_dir=tmp_path / 'logs')
+  for r in results:
+    print(f"process {r['process_index']}: {r['report']['strategy']}, peak"
+          f" {r['peak_extra_bytes'] / MiB:.1f} MiB at {budget / MiB:.0f} MiB")
+    assert r['peak_extra_bytes'] <= budget, r
