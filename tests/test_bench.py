@@ -460,6 +460,21 @@ def test_gpu_check_dry_run(tmp_path):
   assert '| 4.00 MiB | 256 MiB |' in text and '| 4.00 MiB | 1 GiB |' in text, text
 
 
+def test_device_programs_measures_each_kind(tmp_path):
+  """bench/device_programs.py (run first by bench/gpu_check.sh) as the GPU
+  machine runs it: one row per kind of program, with their counts."""
+  env = dict(os.environ, PYTHONPATH=_without(tmp_path, _GPU_MACHINE_LACKS),
+             XLA_FLAGS='--xla_force_host_platform_device_count=8')
+  out = tmp_path / 'device_programs.md'
+  proc = subprocess.run([sys.executable, str(BENCH / 'device_programs.py'), '--programs', '4',
+                         '--out', str(out)],
+                        cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  rows = {r[0]: r for r in _parse_md(out.read_text())[2:]}
+  assert set(rows) == {'cut', 'zero', 'slice'}, rows
+  assert (rows['cut'][1], rows['zero'][1], rows['slice'][1]) == ('4', '4', '32')
+
+
 def test_gpu_check_stock_table_flags_a_restore_over_its_budget():
   import gpu_check  # pylint: disable=g-import-not-at-top
   rows = [{'state': 's', 'restore_seconds': 2.0, 'stock_restores': [
