@@ -158,13 +158,19 @@ def _state_class():
   return State
 
 
-def _save(argv) -> dict:
-  workdir, strategy, budget, pid, nproc, port = argv
-  pid, nproc = int(pid), int(nproc)
+def _join(pid: int, nproc: int, port) -> None:
+  """Joins this process to the others on 127.0.0.1:PORT (`jax.distributed`)."""
   import jax  # pylint: disable=g-import-not-at-top
   jax.distributed.initialize(
       coordinator_address=f'127.0.0.1:{port}', num_processes=nproc, process_id=pid,
       initialization_timeout=120)
+
+
+def _save(argv) -> dict:
+  workdir, strategy, budget, pid, nproc, port = argv
+  pid, nproc = int(pid), int(nproc)
+  import jax  # pylint: disable=g-import-not-at-top
+  _join(pid, nproc, port)
   assert jax.process_index() == pid and jax.process_count() == nproc
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   import kd_ckpt  # pylint: disable=g-import-not-at-top
@@ -293,9 +299,7 @@ def _save_api(argv) -> dict:
   path, strategy, budget, pid, nproc, port = argv
   pid, nproc = int(pid), int(nproc)
   import jax  # pylint: disable=g-import-not-at-top
-  jax.distributed.initialize(
-      coordinator_address=f'127.0.0.1:{port}', num_processes=nproc, process_id=pid,
-      initialization_timeout=120)
+  _join(pid, nproc, port)
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   import kd_ckpt  # pylint: disable=g-import-not-at-top
@@ -329,9 +333,7 @@ def _save_shapes(argv) -> dict:
   path, budget, pid, nproc, port, num_leaves = argv
   pid, nproc = int(pid), int(nproc)
   import jax  # pylint: disable=g-import-not-at-top
-  jax.distributed.initialize(
-      coordinator_address=f'127.0.0.1:{port}', num_processes=nproc, process_id=pid,
-      initialization_timeout=120)
+  _join(pid, nproc, port)
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   import kd_ckpt  # pylint: disable=g-import-not-at-top
   from kd_ckpt import hostmem  # pylint: disable=g-import-not-at-top
@@ -376,9 +378,7 @@ def _save_reuse(argv) -> dict:
   path, strategy, budget, pid, nproc, port = argv
   pid, nproc = int(pid), int(nproc)
   import jax  # pylint: disable=g-import-not-at-top
-  jax.distributed.initialize(
-      coordinator_address=f'127.0.0.1:{port}', num_processes=nproc, process_id=pid,
-      initialization_timeout=120)
+  _join(pid, nproc, port)
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   import kd_ckpt  # pylint: disable=g-import-not-at-top
   from kd_ckpt import hostmem, reuse, startup  # pylint: disable=g-import-not-at-top
@@ -423,9 +423,7 @@ def _preflight_one(argv) -> dict:
   path, pid, nproc, port = argv
   pid, nproc = int(pid), int(nproc)
   import jax  # pylint: disable=g-import-not-at-top
-  jax.distributed.initialize(
-      coordinator_address=f'127.0.0.1:{port}', num_processes=nproc, process_id=pid,
-      initialization_timeout=120)
+  _join(pid, nproc, port)
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   import kd_ckpt  # pylint: disable=g-import-not-at-top
   from kd_ckpt import exchange  # pylint: disable=g-import-not-at-top
@@ -474,9 +472,7 @@ def _fuzz(argv) -> dict:
   pid, nproc, total = int(pid), int(nproc), int(total)
   import hashlib  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
-  jax.distributed.initialize(
-      coordinator_address=f'127.0.0.1:{port}', num_processes=nproc, process_id=pid,
-      initialization_timeout=120)
+  _join(pid, nproc, port)
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   import kd_ckpt  # pylint: disable=g-import-not-at-top
