@@ -180,15 +180,16 @@ def all_zero(host: np.ndarray) -> bool:
 
 
 def shards_all_zero(shards: Sequence[jax.Array]) -> bool | None:
-  """Whether every byte of these single-device arrays is 0, looked at where they live.
+  """Whether every byte of these single-device arrays is 0, read in place.
 
-  None where that cannot be told without copying (a dtype narrower than a
-  byte, complex).  On the CPU backend the device buffer is host memory and
-  is scanned in place (`all_zero`: random data stops at its first bytes);
-  on an accelerator one reduction per shard runs on the device (a program
-  per shard shape, dtype and device) and a single bool comes back.  Either way nothing is copied to the host: a leaf found
-  zero is written from zero pages (`streaming`), checksummed by its length
-  (`integrity.crc32c_zeros`).
+  On the CPU backend a device buffer is host memory and is scanned where it
+  lives (`all_zero`: random data stops at its first bytes), so nothing is
+  copied; a leaf found zero is written from zero pages (`streaming`),
+  checksummed by its length (`integrity.crc32c_zeros`).  None where that
+  cannot be told without copying: a dtype narrower than a byte or complex
+  (`zero_checkable`), or a shard on an accelerator (`scanned_in_place`;
+  the streaming writer runs a program of its own there,
+  `streaming._DevicePrograms.any_bit_set`).
 
   Example:
 
@@ -196,27 +197,20 @@ def shards_all_zero(shards: Sequence[jax.Array]) -> bool | None:
     # True
   """
   for s in shards:
-    if not zero_checkable(s.dtype):
+    if not zero_checkable(s.dtype) or not scanned_in_place(s):
       return None
-    if scanned_in_place(s):
-      zero = all_zero(np.asarray(s))  # a view of the device buffer
-    else:
-      zero = not bool(any_bit_set(s))
-    if not zero:
+    if not all_zero(np.asarray(s)):  # a view of the device buffer
       return False
   return True
 
 
 def scanned_in_place(shard: jax.Array) -> bool:
-  """Whether `shards_all_zero` reads this shard's buffer in place (the CPU backend).
-
-  Elsewhere it runs a program on the shard's device (`any_bit_set`).
-  """
+  """Whether `shards_all_zero` can read this shard's buffer in place (the CPU backend)."""
   return next(iter(shard.devices())).platform == 'cpu'
 
 
 def zero_checkable(dtype) -> bool:
-  """Whether `shards_all_zero` can tell a shard of `dtype` zero without copying it."""
+  """Whether a shard of `dtype` can be told zero without copying it (`has_set_bit`)."""
   return _bit_width(dtype) == 8 * np.dtype(dtype).itemsize
 
 
@@ -237,18 +231,18 @@ def _bit_width(dtype) -> int | None:
 
 
 def has_set_bit(x: jax.Array) -> jax.Array:
-  """Whether any bit of `x` is set (-0.0 counts: its sign bit), traced (see `any_bit_set`)."""
+  """Whether any bit of `x` is set (-0.0 counts: its sign bit); traced, on its device.
+
+  The streaming writer compiles it per leaf, kept within its budget
+  (`streaming._DevicePrograms`): a jitted copy shared by every caller would
+  keep one program per shape, dtype and device for the process's life.
+  """
   if x.dtype == jax.numpy.bool_:
     return jax.numpy.any(x)
   uint = {1: jax.numpy.uint8, 2: jax.numpy.uint16, 4: jax.numpy.uint32,
           8: jax.numpy.uint64}[x.dtype.itemsize]
   return jax.numpy.any(jax.lax.bitcast_convert_type(x, uint) != 0)
 
-
-# On its device; compiled once per shape, dtype and device, kept by XLA for
-# the process's life.  The streaming writer runs programs of its own
-# instead, one per leaf, kept within its budget (`streaming._DevicePrograms`).
-any_bit_set = jax.jit(has_set_bit)
 
 
 # Restores through a handler that was not given a budget (e.g. Orbax's own

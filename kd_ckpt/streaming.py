@@ -78,9 +78,9 @@ SLAB_ALIGN_BYTES = 64
 POOL_MIN_BYTES = 64 << 10
 # A leaf that may be stored zstd (`arrays.ZSTD_ZERO_LEAVES_FROM_BYTES`) has
 # its array created in the group's transaction once its shards were looked
-# at on the device (`arrays.shards_all_zero`), or, for dtypes that cannot be
-# looked at there, once its first slice is on the host, rather than in the
-# batch before.  On leaves of noise that cost
+# at where they live (`_all_zero`), or, for dtypes that cannot be looked at
+# there (or an accelerator's leaf with no room for the program), once its
+# first slice is on the host, rather than in the batch before.  On leaves of noise that cost
 # 0.2-0.6 ms of CPU a leaf at 1 MiB (300 x 1 MiB: 1.13 s against 0.97 s,
 # ab_save_zero_check_1mib.md) and nothing measurable at 4 MiB (100 x 4 MiB:
 # 0.95 s against 1.13 s, and 1.03 against 0.98 in another run,
@@ -398,7 +398,7 @@ class StreamingArrayHandler(arrays_lib.KdArrayHandler):
           else:
             out = None if buf is None else buf[:nbytes].view(data.dtype).reshape(shape)
             key = None if out is not None else _cut_key(data, src_box)
-            grow = key is not None and key not in _PROGRAMS and await pipeline.charge_programs(1)
+            grow = key is not None and key not in _PROGRAMS and await pipeline.charge_program()
             host = to_host(data, src_box, pinned=p.pinned, out=out, grow=grow)
             del out
           if host.dtype != target_dtype:
@@ -491,8 +491,8 @@ class _DevicePrograms:
   Two kinds: one cuts part of a shard (`cut`, keyed by `_cut_key`: per
   shard shape, part shape, dtype and device), the other looks for a set bit
   in a leaf that may be all zero (`any_bit_set`, keyed by `_zero_key`: per
-  leaf shape, dtype and sharding).  jnp's indexing and `arrays.any_bit_set`
-  compiled theirs per shard and device, and XLA's caches kept every one for
+  leaf shape, dtype and sharding).  jnp's indexing and a shared jitted
+  zero check compiled theirs per shard and device, and XLA's caches kept every one for
   the process's life, outside any budget: 120 int4 leaves of as many
   shapes, sliced on one CPU device (175 programs), saved at 48 MiB peaked
   at 89.8 MiB; 30 leaves of 4 MiB over 8 CPU devices looked at as on an
@@ -500,8 +500,8 @@ class _DevicePrograms:
   here is a jitted function of its own, and dropping it frees its
   executable (measured: 120 cuts compiled and dropped in turn left RSS
   flat, against +46 MiB kept; 60 zero checks over 8 devices left 9 MiB of
-  their 41 MiB behind, in jax's own caches).  The cache grows only by what a save has charged
-  for (`_Pipeline.charge_programs`).  Otherwise a new cut takes the place
+  their 41 MiB behind, in jax's own caches).  The cache grows only by what
+  a save has charged for (`_Pipeline.charge_program`).  Otherwise a new cut takes the place
   of the least recently used program (one is kept uncharged at most), and
   a zero check is not compiled at all: the leaf is looked at on the host.
   What the cache holds after a save stays for the next ones, which then
@@ -602,7 +602,7 @@ async def _all_zero(p: '_Prepared', pipeline: '_Pipeline') -> bool | None:
   if all(arrays_lib.scanned_in_place(s) for s in shards):
     return arrays_lib.shards_all_zero(shards)
   key = _zero_key(p.arr)
-  if key is None or (key not in _PROGRAMS and not await pipeline.charge_programs(1)):
+  if key is None or (key not in _PROGRAMS and not await pipeline.charge_program()):
     return None
   return not _PROGRAMS.any_bit_set(p.arr, grow=True)
 
@@ -828,13 +828,12 @@ class _Pipeline:
         self.slab_used += -(-buffer_bytes // SLAB_ALIGN_BYTES) * SLAB_ALIGN_BYTES
     return buf, held
 
-  async def charge_programs(self, n: int) -> bool:
-    """Charges `n` more kept device programs (`_PROGRAMS`) if the room allows all; whether it did."""
-    need = n * cost.DEVICE_PROGRAM_BYTES
-    if self.program_bytes + need > self.program_room_bytes:
+  async def charge_program(self) -> bool:
+    """Charges one more kept device program (`_PROGRAMS`) if the room allows; whether it did."""
+    if self.program_bytes + cost.DEVICE_PROGRAM_BYTES > self.program_room_bytes:
       return False
-    await self.admit(need)
-    self.program_bytes += need
+    await self.admit(cost.DEVICE_PROGRAM_BYTES)
+    self.program_bytes += cost.DEVICE_PROGRAM_BYTES
     return True
 
   async def create(self, tspec: dict[str, Any], context: ts.Context) -> ts.TensorStore:

@@ -274,23 +274,29 @@ def test_format_guard_orbax_chunking_matches_ours(tmp_path):
 @pytest.mark.parametrize('dtype', ['float32', 'bfloat16', 'int8', 'bool', 'uint16',
                                    'float8_e4m3fn'])
 def test_shards_are_found_zero_where_they_live(dtype):
-  """`shards_all_zero` reads shards in place on CPU; `any_bit_set` is what an
-  accelerator runs (checked here on CPU devices).  A -0.0 is not zero bytes;
-  dtypes without a same-width unsigned integer are unknown (None)."""
+  """`shards_all_zero` reads shards in place on CPU; what an accelerator
+  runs instead (`_DevicePrograms.any_bit_set`, one program over the leaf's
+  devices) is checked here on CPU devices, shard by shard and as a leaf.  A
+  -0.0 is not zero bytes; dtypes without a same-width unsigned integer are
+  unknown (None)."""
   from kd_ckpt import arrays
+  programs = streaming_lib._DevicePrograms()
   m1, _ = states.meshes()
   z = jax.device_put(jax.numpy.zeros((64, 33), dtype), states.NS(m1, states.P('x')))
   shards = [s.data for s in z.addressable_shards]
   assert arrays.shards_all_zero(shards) is True
-  assert [bool(arrays.any_bit_set(s)) for s in shards] == [False] * 8
+  assert [programs.any_bit_set(s, grow=True) for s in shards] == [False] * 8
+  assert programs.any_bit_set(z, grow=True) is False
   one = jax.numpy.ones((), dtype)
   for value in ([one] if dtype in ('bool', 'int8', 'uint16') else [one, -0.0 * one]):
     x = jax.device_put(z.at[37, 5].set(value), z.sharding)  # row 37: shard 4
     shards = [s.data for s in x.addressable_shards]
     assert arrays.shards_all_zero(shards) is False
-    assert [bool(arrays.any_bit_set(s)) for s in shards] == [i == 4 for i in range(8)]
+    assert [programs.any_bit_set(s, grow=True) for s in shards] == [i == 4 for i in range(8)]
+    assert programs.any_bit_set(x, grow=True) is True
   for dt in ('int4', 'complex64'):
     assert arrays.shards_all_zero([jax.numpy.zeros((16,), dt)]) is None
+    assert not arrays.zero_checkable(dt)
 
 
 @pytest.mark.parametrize('zarr3', [False, True])
