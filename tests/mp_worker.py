@@ -324,6 +324,8 @@ def _save_api(argv) -> dict:
 def _save_shapes(argv) -> dict:
   """`kd_ckpt.save` (auto) of LEAVES replicated leaves of as many shapes, measured.
 
+  PATH may be a gs:// URL (tests/test_object_storage.py).
+
   Data-parallel training replicates every parameter on every process; with
   replica parallelism each process cuts its replicas' slices of each shape
   with a program of its own (`estimate.slice_program_key`).  The peak is
@@ -339,6 +341,7 @@ def _save_shapes(argv) -> dict:
   from kd_ckpt import hostmem  # pylint: disable=g-import-not-at-top
   from kd_ckpt import startup  # pylint: disable=g-import-not-at-top
   startup.start_compiler()
+  startup.start_storage(path)  # a gs:// PATH: the storage client's start-up, paid before
   sharding = _shardings(jax.devices(), 'rep')
   shapes = {f'r{i}': (8 * (40 + i), 64 + 8 * i) for i in range(int(num_leaves))}
   state = jax.block_until_ready({

@@ -267,6 +267,26 @@ def test_two_processes_save_one_checkpoint_to_gcs(server, bucket, tmp_path, stra
   assert kd_ckpt.verify(path).ok
 
 
+@pytest.mark.slow
+@pytest.mark.integration
+def test_many_replicated_shapes_in_a_bucket_hold_the_budget(server, bucket, tmp_path):
+  """tests/test_multiprocess.py's 60 replicated leaves of as many shapes
+  (240 replica-slice programs a process), saved by two processes to gs://
+  under `auto` at 96 MiB: each process within the budget, measured outside
+  kd_ckpt, and the checkpoint verifies."""
+  from tests import test_multiprocess  # pylint: disable=g-import-not-at-top
+  path, port, budget = f'{bucket}/ckpt', test_multiprocess._free_port(), 96 * MiB  # pylint: disable=protected-access
+  results = test_multiprocess._run(  # pylint: disable=protected-access
+      [['save_shapes', path, str(budget), str(i), '2', str(port), '60'] for i in range(2)],
+      devices=4, log_dir=tmp_path / 'logs')
+  for r in results:
+    print(f"process {r['process_index']}: {r['report']['strategy']}"
+          f" ({r['report']['settings']}), peak {r['peak_extra_bytes'] / MiB:.1f} MiB")
+    assert r['peak_extra_bytes'] <= budget, r
+  storage.forget_listings(path)
+  assert kd_ckpt.verify(path).ok
+
+
 # --- the budget, measured from outside in fresh processes ----------------------------
 
 STATE_BYTES = 192 * MiB
