@@ -39,7 +39,9 @@ Three parts (`--part stall,scale,leaves`, default all):
           `ocp.StandardCheckpointer().restore`), checked bit-exact, in
           rounds as well (the median).  At least one round per variant, so
           each takes every place in the order once.  Flatness: the largest
-          s/GB over the smallest, per variant.
+          s/GB over the smallest, per variant; and a line through the sizes
+          (fixed s + s/GB, `line_fit`) with the size furthest off it: cost
+          that grows linearly beside a save's fixed work.
   leaves  Per-leaf overhead: 10 .. 10,000 leaves of 4 KiB (`--leaf-counts`,
           `--leaf-bytes`) on one device, saved by kd_ckpt streaming, kd_ckpt
           auto (both at the budget) and Orbax default, each restored by its
@@ -553,8 +555,10 @@ SCALE_VARIANTS = ('kd_ckpt streaming', 'kd_ckpt auto', ORBAX)
 def _scale_part(args, root: str) -> tuple[list[str], list[dict]]:
   budget = args.budget
   rows, results = [], []
-  # s/GB per size, for the flatness line: each variant's, dd's and Orbax's.
+  # s/GB per size, for the flatness line: each variant's, dd's and Orbax's;
+  # (GB, s) per size for the fit line.
   per_gb: dict[str, list[float]] = {}
+  points: dict[str, list[tuple[float, float]]] = {}
   kds = [v for v in SCALE_VARIANTS if v != ORBAX]
   for size in args.scale_sizes.split(','):
     nbytes = measure.parse_bytes(size) // 4096 * 4096
@@ -575,6 +579,7 @@ def _scale_part(args, root: str) -> tuple[list[str], list[dict]]:
     for who, secs in [(v, by[v].get('save_secs')) for v in SCALE_VARIANTS] + [('dd', dd)]:
       if secs:
         per_gb.setdefault(who, []).append(secs / (nbytes / GB))
+        points.setdefault(who, []).append((nbytes / GB, secs))
     dd_each = next((r['dd_secs_each'] for r in by.values() if 'dd_secs_each' in r), ())
     notes = '; '.join(
         [f'{w}: {n}' for w, r in [(v.replace('kd_ckpt ', ''), by[v]) for v in SCALE_VARIANTS]
@@ -598,6 +603,7 @@ def _scale_part(args, root: str) -> tuple[list[str], list[dict]]:
   for who, v in per_gb.items():
     if len(v) > 1:
       flats.append(f'{who}: {_f(max(v) / min(v))} ({_f(min(v))} .. {_f(max(v))} s/GB)')
+  fits = [f'{who}: {line_fit(v)}' for who, v in points.items() if len(v) > 2]
   kd_names = [v.replace('kd_ckpt ', '') for v in kds]
   lines = [
       '### Scaling: one f32 leaf on one device', '',
@@ -621,7 +627,32 @@ def _scale_part(args, root: str) -> tuple[list[str], list[dict]]:
       '| --- ' * (5 + 4 * len(kds)) + '|',
       *rows, '',
       'Flatness (max s/GB over min s/GB across sizes): ' + '; '.join(flats)]
+  if fits:
+    lines += ['', 'Linear fit (least squares over the sizes, seconds = fixed + GB x s/GB;'
+              ' off: the size whose median save is furthest from the fit, by how much of'
+              ' it): ' + '; '.join(fits)]
   return lines, results
+
+
+def line_fit(points: list[tuple[float, float]]) -> str:
+  """'0.05 s + 0.92 s/GB, off <= 12% (128 MiB)' for (GB, seconds) points.
+
+  Whether cost grows linearly (issue 20, item 5) apart from a save's fixed
+  work: seconds per GB alone are not flat when a fixed 0.05 s sits on a
+  0.13 s save.  Least squares on relative error (weights 1/s^2), so a 4 GiB
+  row's noise of a second does not swamp a 128 MiB row of 0.15 s.
+  """
+  w = [1 / (y * y) for _, y in points]
+  sw = sum(w)
+  mx = sum(wi * x for wi, (x, _) in zip(w, points)) / sw
+  my = sum(wi * y for wi, (_, y) in zip(w, points)) / sw
+  sxx = sum(wi * (x - mx) ** 2 for wi, (x, _) in zip(w, points))
+  slope = sum(wi * (x - mx) * (y - my) for wi, (x, y) in zip(w, points)) / sxx
+  fixed = my - slope * mx
+  worst = max(points, key=lambda p: abs(p[1] - (fixed + slope * p[0])) / p[1])
+  off = abs(worst[1] - (fixed + slope * worst[0])) / worst[1]
+  return (f'{_f(fixed)} s + {_f(slope)} s/GB, off <= {off:.0%}'
+          f' ({measure.fmt_bytes(round(worst[0] * GB))})')
 
 
 def _leaves_part(args, root: str) -> tuple[list[str], list[dict]]:

@@ -710,6 +710,21 @@ def _md_tables(text: str) -> dict[str, list[dict[str, str]]]:
   return tables
 
 
+def test_line_fit_finds_a_fixed_cost_and_the_size_off_the_line():
+  """speed.line_fit: seconds = fixed + GB x slope, on relative error."""
+  import speed  # pylint: disable=g-import-not-at-top
+  gbs = [0.134, 0.537, 1.07, 2.15, 4.29]
+  assert speed.line_fit([(g, 0.05 + 0.9 * g) for g in gbs]) == (
+      '0.05 s + 0.90 s/GB, off <= 0% (128 MiB)')
+  # The 512 MiB save 30% slower than the line through the others: named, and
+  # the fit (weighted by relative error) still finds the others' line.
+  bent = [(g, (0.05 + 0.9 * g) * (1.3 if g == 0.537 else 1)) for g in gbs]
+  m = re.fullmatch(r'([0-9.-]+) s \+ ([0-9.]+) s/GB, off <= (\d+)% \(512 MiB\)',
+                   speed.line_fit(bent))
+  assert m, speed.line_fit(bent)
+  assert 0.8 <= float(m.group(2)) <= 1.0 and int(m.group(3)) >= 15, m.groups()
+
+
 @pytest.mark.slow
 def test_speed_smoke(tmp_path):
   """bench/speed.py at tiny sizes (~40 s on 2 cores): its three tables, a row per
