@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from etils import epath
 import orbax.checkpoint as ocp
 
 from kd_ckpt import budget as budget_lib
@@ -76,7 +75,9 @@ def save(
   """
   # Every check happens before anything is written.
   storage.check_supported(directory)
-  path = epath.Path(directory)
+  path = storage.as_path(directory)
+  if reuse_from is not None:
+    reuse_from = storage.as_path(reuse_from)
   # The measurement starts first: a first touch of a bucket is this save's.
   s = session_lib.MeasuredSave(
       path, {'default': tree}, host_ram_budget=host_ram_budget, strategy=strategy,
@@ -156,6 +157,7 @@ def restore(
   # the budget: what it took is not there for the reads.  A budget too small
   # for it beside any restore's floor is refused before paying it (a fresh
   # script's restore at 16 MiB had peaked at ~50 MiB to be refused).
+  directory = storage.as_path(directory)
   _refuse_before_storage_start(directory, host_ram_budget)
   paid = startup.start_storage(directory)
   path = inspecting.checkpoint_dir(directory)

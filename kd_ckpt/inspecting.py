@@ -40,7 +40,7 @@ class NoCheckpointError(ValueError):
 
 def checkpoint_dir(directory) -> epath.Path:
   """`directory` if it is a PyTree checkpoint; else an error saying what to pass."""
-  path = epath.Path(directory)
+  path = storage.as_path(directory)
   storage.forget_listings(path)
   # On a bucket each question is a round trip (or two): asked together, the
   # answers come back in one.  Read in the same order as locally.
@@ -86,7 +86,7 @@ def _is_step_dir(path: epath.Path) -> bool:
 
 def find_checkpoint(directory) -> tuple[epath.Path, epath.Path | None]:
   """(PyTree checkpoint dir, Kauldron/kd_ckpt step dir or None) for `directory`."""
-  path = epath.Path(directory)
+  path = storage.as_path(directory)
   storage.forget_listings(path)  # Steps other processes wrote since we last looked.
   if not path.is_dir():
     raise FileNotFoundError(f'no such directory: {os.fspath(directory)!r}')

@@ -67,7 +67,7 @@ class MeasuredSave:
                blocking: bool = True):
     # Refused before anything is measured, planned or written.
     storage.check_supported(directory)
-    self.directory = epath.Path(directory)
+    self.directory = storage.as_path(directory)
     self.items = dict(items)
     self.item_dirs = {k: epath.Path(v) for k, v in (item_dirs or {}).items()}
     self.label = label or os.fspath(directory)

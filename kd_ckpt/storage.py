@@ -130,6 +130,34 @@ def is_remote(path) -> bool:
   return scheme(path) is not None
 
 
+def as_path(directory) -> epath.Path:
+  """`directory` as the Path a save or read goes through: a URL as given, a
+  local path made absolute.
+
+  Orbax's TensorStore specs take absolute paths only: a relative one failed
+  mid-save, after its folders were made ('Checkpoint path should be
+  absolute'), and `python -m kd_ckpt verify ckpt/1` called every leaf
+  unreadable.  A relative path is taken from the working directory, as
+  `open()` takes it.
+
+  Example:
+
+    storage.as_path('gs://b/run/1')   # epath.Path('gs://b/run/1')
+    storage.as_path('ckpt/1')         # epath.Path(os.getcwd() + '/ckpt/1')
+
+  Raises ValueError for an empty path (before anything is written).
+  """
+  text = os.fspath(directory)
+  if not str(text).strip():
+    raise ValueError(
+        f'The checkpoint directory is empty ({text!r}). Pass the folder to save'
+        ' into or read from, e.g. "/ckpts/step_100" or "gs://bucket/run/step_100".')
+  if is_remote(text):
+    return epath.Path(directory)
+  # local-only: a URL returned above; a local path is made absolute here.
+  return epath.Path(os.path.abspath(text))
+
+
 def check_supported(path) -> None:
   """Raises UnsupportedStorageError for a URL stock Orbax cannot write, or
   ValueError for a bad `KD_CKPT_BUCKET_RETRIES` with a bucket; writes nothing."""

@@ -208,7 +208,7 @@ def verify(
   Raises:
     FileNotFoundError: nothing at `directory`.
   """
-  path = epath.Path(directory)
+  path = storage.as_path(directory)
   if not path.is_dir():
     raise FileNotFoundError(f'No checkpoint at {os.fspath(directory)!r}.')
   no_sums = not integrity.has_checksums(path)

@@ -33,6 +33,60 @@ def test_existing_directory_is_never_touched(tmp_path):
   assert os.listdir(d) == ['precious']
 
 
+def test_relative_paths_are_taken_from_the_working_directory(tmp_path, monkeypatch, capsys):
+  """`save('ckpt/1')` as `open()` takes a path.  Orbax's TensorStore specs
+  take absolute paths only: a relative one failed mid-save ('Checkpoint path
+  should be absolute'), after its folders were made, and `python -m kd_ckpt
+  verify ckpt/1` called every leaf unreadable."""
+  from kd_ckpt import cli  # pylint: disable=g-import-not-at-top
+  monkeypatch.chdir(tmp_path)
+  tree = _tree()
+  kd_ckpt.save('ckpt/1', tree, host_ram_budget=64 * MiB, fingerprint=True)
+  second = kd_ckpt.save('ckpt/2', tree, host_ram_budget=64 * MiB, reuse_from='ckpt/1')
+  assert second.leaves_reused == 2, second
+  assert sorted(os.listdir(tmp_path / 'ckpt')) == ['1', '2']
+  back = kd_ckpt.restore('ckpt/2', tree, host_ram_budget=64 * MiB, verify=True)
+  for k in tree:
+    np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(tree[k]))
+  assert kd_ckpt.verify('ckpt/1').ok
+  assert len(kd_ckpt.inspect('ckpt/2').leaves) == 2
+  assert cli.main(['verify', 'ckpt/2']) == 0, capsys.readouterr()
+  assert ocp.StandardCheckpointer().restore(str(tmp_path / 'ckpt/2'))['b'].shape == (8,)
+
+
+def test_a_kauldron_run_with_a_relative_workdir_saves_and_restores(tmp_path, monkeypatch):
+  """`--cfg.workdir=runs/x`: stock Kauldron's run dies at its first save
+  (Orbax's manager: 'Checkpoint path should be absolute')."""
+  import flax  # pylint: disable=g-import-not-at-top
+  from kauldron import kd  # pylint: disable=g-import-not-at-top
+
+  @flax.struct.dataclass
+  class State(kd.ckpts.items.StandardCheckpointItem):
+    params: dict
+
+  monkeypatch.chdir(tmp_path)
+  ckpt = kd_ckpt.SafeCheckpointer(workdir='runs/x', save_interval_steps=1,
+                                  host_ram_budget=64 * MiB)
+  assert os.fspath(ckpt.workdir) == str(tmp_path / 'runs/x')
+  state = State(params=_tree())
+  want = np.asarray(state.params['w']).copy()
+  ckpt.save(state, step=1)
+  ckpt.wait_until_finished()
+  back = ckpt.restore(state, step=1)  # Kauldron's restore takes the state's buffers
+  np.testing.assert_array_equal(np.asarray(back.params['w']), want)
+  ckpt.close()
+  assert (tmp_path / 'runs/x/checkpoints/ckpt_1').is_dir()
+
+
+def test_an_empty_directory_is_refused_before_writing(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  for call in (lambda: kd_ckpt.save('', _tree()), lambda: kd_ckpt.restore(''),
+               lambda: kd_ckpt.verify(' ')):
+    with pytest.raises(ValueError, match=r'checkpoint directory is empty.*step_100'):
+      call()
+  assert not os.listdir(tmp_path)
+
+
 @pytest.mark.parametrize('bad', [0, -1, 'much', 2.0])
 def test_bad_budget_fails_before_writing(tmp_path, bad):
   with pytest.raises(ValueError, match='host_ram_budget'):

@@ -145,6 +145,12 @@ class SafeCheckpointer(kd.ckpts.Checkpointer):
     # Fail at config time, not at the first save hours later.
     budget_lib.parse(self.host_ram_budget)
     plan_lib.check_strategy(self.strategy)
+    # A relative workdir (`--cfg.workdir=runs/x`) is taken from the working
+    # directory: Orbax's manager fails a relative one at the first save
+    # ('Checkpoint path should be absolute'), stock Kauldron's run with it.
+    # Anything else (an unresolved config reference) is left to Kauldron.
+    if isinstance(self.workdir, (str, os.PathLike)) and os.fspath(self.workdir).strip():
+      object.__setattr__(self, 'workdir', storage.as_path(self.workdir))
 
   @functools.cached_property
   def reports(self) -> list[report_lib.SaveReport]:
