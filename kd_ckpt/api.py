@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 
 from kd_ckpt import budget as budget_lib
@@ -76,6 +77,11 @@ def save(
   # Every check happens before anything is written.
   storage.check_supported(directory)
   path = storage.as_path(directory)
+  if not jax.tree.leaves(tree):
+    # Orbax's words for it: 'Must provide item to save.', 'Found empty item.'
+    raise ValueError(
+        f'Nothing to save: the tree has no leaves ({tree!r:.80}). Pass the state'
+        ' to save (a pytree of arrays and scalars).')
   if reuse_from is not None:
     reuse_from = storage.as_path(reuse_from)
   # The measurement starts first: a first touch of a bucket is this save's.

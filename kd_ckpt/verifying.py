@@ -36,6 +36,7 @@ from kd_ckpt import budget as budget_lib
 from kd_ckpt import compat
 from kd_ckpt import cost
 from kd_ckpt import hostmem
+from kd_ckpt import inspecting
 from kd_ckpt import integrity
 from kd_ckpt import reading
 from kd_ckpt import slicing
@@ -207,10 +208,13 @@ def verify(
 
   Raises:
     FileNotFoundError: nothing at `directory`.
+    NoCheckpointError: `directory` holds no checkpoint (the error names the
+      one to pass when it is a Kauldron step or a workdir).
+    ValueError: `directory` is an unfinished save.
   """
-  path = storage.as_path(directory)
-  if not path.is_dir():
-    raise FileNotFoundError(f'No checkpoint at {os.fspath(directory)!r}.')
+  # The checks and messages of a restore: a folder without _METADATA had
+  # raised FileNotFoundError for its '_METADATA'.
+  path = inspecting.checkpoint_dir(directory)
   no_sums = not integrity.has_checksums(path)
   why_unchecked = (
       f'no kd_ckpt checksums ({integrity.FILE_PREFIX}.process_*.json): saved by'

@@ -94,6 +94,13 @@ def test_bad_budget_fails_before_writing(tmp_path, bad):
   assert not (tmp_path / 'c').exists()
 
 
+@pytest.mark.parametrize('empty', [None, {}, {'a': None, 'b': []}])
+def test_an_empty_tree_is_refused_before_writing(tmp_path, empty):
+  with pytest.raises(ValueError, match='Nothing to save: the tree has no leaves'):
+    kd_ckpt.save(tmp_path / 'c', empty)
+  assert not (tmp_path / 'c').exists()
+
+
 def test_unknown_strategy(tmp_path):
   with pytest.raises(ValueError, match="strategy='fast'.*auto"):
     kd_ckpt.save(tmp_path / 'c', _tree(), strategy='fast')
@@ -199,6 +206,19 @@ def test_a_restore_without_a_target_opens_each_array_once(tmp_path, monkeypatch,
 def test_missing_checkpoint(tmp_path):
   with pytest.raises(FileNotFoundError, match='No checkpoint'):
     kd_ckpt.restore(tmp_path / 'nope')
+  with pytest.raises(FileNotFoundError, match='No checkpoint'):
+    kd_ckpt.verify(tmp_path / 'nope')
+
+
+def test_verify_of_a_folder_that_is_no_checkpoint_says_what_to_pass(tmp_path):
+  """As a restore does: it had raised FileNotFoundError for '.../_METADATA'."""
+  (tmp_path / 'empty').mkdir()
+  with pytest.raises(kd_ckpt.NoCheckpointError, match=r'empty is not an Orbax PyTree checkpoint'):
+    kd_ckpt.verify(tmp_path / 'empty')
+  kd_ckpt.save(tmp_path / 'run' / 'ckpt_3' / 'default', _tree(), host_ram_budget=64 * MiB)
+  with pytest.raises(kd_ckpt.NoCheckpointError, match=r'pass its item folder .*ckpt_3/default'):
+    kd_ckpt.verify(tmp_path / 'run' / 'ckpt_3')
+  assert kd_ckpt.verify(tmp_path / 'run' / 'ckpt_3' / 'default').ok
 
 
 # --- the policy --------------------------------------------------------------
