@@ -50,6 +50,7 @@ def save(
   Args:
     directory: where to write; must not exist (an earlier checkpoint is never
       overwritten).  Orbax writes to a temporary name and renames at the end.
+      A local path may be relative (to the working directory), or a gs:// URL.
     tree: a pytree of jax.Arrays (any sharding), numpy arrays and scalars.
     host_ram_budget: the most extra host RAM the save may add (peak RSS during
       the save minus RSS just before it); see `kd_ckpt.budget`.
@@ -68,7 +69,8 @@ def save(
 
   Raises:
     FileExistsError: `directory` exists.
-    ValueError: bad budget or strategy, or deleted/donated arrays in `tree`.
+    ValueError: bad budget or strategy, an empty `directory` or `tree`, or
+      deleted/donated arrays in `tree`.
     BudgetTooSmallError: no strategy fits the budget.
     PermissionError: nothing can be created where `directory` goes.
     DiskFullError: the filesystem has no room, before writing or during it;
