@@ -54,6 +54,27 @@ def test_relative_paths_are_taken_from_the_working_directory(tmp_path, monkeypat
   assert ocp.StandardCheckpointer().restore(str(tmp_path / 'ckpt/2'))['b'].shape == (8,)
 
 
+def test_orbax_managers_and_checkpointers_take_relative_paths_through_kd_ckpts_handler(
+    tmp_path, monkeypatch):
+  """With Orbax's own handler `CheckpointManager('ckpts')` fails its first save."""
+  monkeypatch.chdir(tmp_path)
+  tree = _tree()
+  mgr = ocp.CheckpointManager(
+      'ckpts', item_handlers=kd_ckpt.SafePyTreeHandler(host_ram_budget=64 * MiB))
+  for step in (1, 2):
+    mgr.save(step, args=kd_ckpt.SafeSave(tree))
+  mgr.wait_until_finished()
+  assert mgr.all_steps() == [1, 2]
+  back = mgr.restore(2, args=kd_ckpt.SafeRestore(tree))
+  np.testing.assert_array_equal(np.asarray(back['w']), np.asarray(tree['w']))
+  assert mgr.item_metadata(2) is not None
+  mgr.close()
+  with kd_ckpt.within_budget(64 * MiB):
+    back = ocp.StandardCheckpointer().restore('ckpts/1/default')
+  np.testing.assert_array_equal(np.asarray(back['b']), np.asarray(tree['b']))
+  assert kd_ckpt.verify('ckpts/2/default').ok
+
+
 def test_a_kauldron_run_with_a_relative_workdir_saves_and_restores(tmp_path, monkeypatch):
   """`--cfg.workdir=runs/x`: stock Kauldron's run dies at its first save
   (Orbax's manager: 'Checkpoint path should be absolute')."""
