@@ -30,7 +30,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import os
 from typing import Any, Callable, Sequence
 
 from etils import epath
@@ -175,7 +174,10 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
 
   async def async_save(self, directory, item=None, save_args=None, args=None):
     """Orbax's save through the plan's writer, plus the CRC32C file."""
-    directory = _absolute(directory)
+    # Orbax's TensorStore specs refuse a relative path ('Checkpoint path
+    # should be absolute'): `CheckpointManager('ckpts')` failed its first
+    # save, and so does it with Orbax's own handler.  Likewise below.
+    directory = storage.absolute(directory)
     if args is None:
       args = SafeSave(item=item, save_args=save_args)
     if args.item is None:
@@ -233,12 +235,12 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     return [ocp.future.ChainedFuture(list(futures or []), finish)]
 
   def metadata(self, directory):
-    """Orbax's, for a relative path too (`_absolute`)."""
-    return super().metadata(_absolute(directory))
+    """Orbax's, for a relative path too."""
+    return super().metadata(storage.absolute(directory))
 
   def finalize(self, directory: epath.Path) -> None:
     """Orbax's finalize (OCDBT merge), then checks every array is reachable."""
-    directory = _absolute(directory)
+    directory = storage.absolute(directory)
     finalizer = ocp.BasePyTreeCheckpointHandler(
         use_ocdbt=self._use_ocdbt, use_zarr3=USE_ZARR3, multiprocessing_options=self._mp,
         # Orbax's validation re-opens every key through a 100 MB node cache
@@ -276,7 +278,7 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
     """
     if isinstance(item, ocp.args.CheckpointArgs):
       raise ValueError('Pass restore args as `args=`.')
-    directory = _absolute(directory)
+    directory = storage.absolute(directory)
     if args is None:
       args = SafeRestore(item=item)
     # `_METADATA` parsed once: at 10,000 leaves each parse is ~0.1 s.
@@ -384,19 +386,6 @@ class SafePyTreeHandler(ocp.StandardCheckpointHandler):
       except reading.Priced as priced:
         return priced.budget_bytes
     return budget_bytes if price_only else out
-
-
-def _absolute(directory):
-  """A path Orbax hands over, made absolute (`storage.as_path`).
-
-  Orbax's TensorStore specs refuse a relative path ('Checkpoint path should
-  be absolute'), so a `CheckpointManager('ckpts')` failed at its first save,
-  and `ocp.StandardCheckpointer().restore('ckpt/1')` in `within_budget`.
-  Other path objects are Orbax's own and pass as they are.
-  """
-  if isinstance(directory, (str, os.PathLike)) and os.fspath(directory).strip():
-    return storage.as_path(directory)
-  return directory
 
 
 def context_for(plan: plan_lib.SavePlan, **kwargs) -> arrays_lib.SaveContext:

@@ -158,6 +158,15 @@ def as_path(directory) -> epath.Path:
   return epath.Path(os.path.abspath(text))
 
 
+def absolute(value):
+  """`as_path(value)` for a non-empty str or path; anything else as given
+  (Orbax's own path objects, a config reference not resolved yet), for the
+  code that passes paths on rather than taking them from a user."""
+  if isinstance(value, (str, os.PathLike)) and os.fspath(value).strip():
+    return as_path(value)
+  return value
+
+
 def check_supported(path) -> None:
   """Raises UnsupportedStorageError for a URL stock Orbax cannot write, or
   ValueError for a bad `KD_CKPT_BUCKET_RETRIES` with a bucket; writes nothing."""

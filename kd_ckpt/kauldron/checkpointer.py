@@ -149,8 +149,7 @@ class SafeCheckpointer(kd.ckpts.Checkpointer):
     # directory: Orbax's manager fails a relative one at the first save
     # ('Checkpoint path should be absolute'), stock Kauldron's run with it.
     # Anything else (an unresolved config reference) is left to Kauldron.
-    if isinstance(self.workdir, (str, os.PathLike)) and os.fspath(self.workdir).strip():
-      object.__setattr__(self, 'workdir', storage.as_path(self.workdir))
+    object.__setattr__(self, 'workdir', storage.absolute(self.workdir))
 
   @functools.cached_property
   def reports(self) -> list[report_lib.SaveReport]:
